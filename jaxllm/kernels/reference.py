@@ -1,0 +1,79 @@
+"""Plain-jnp references of every kernel: the specification the kernels are tested against.
+
+Everything is computed in float32 and cast back to the query dtype. These functions
+favour clarity over speed; they materialise the full score matrix.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite, so fully masked rows give exp(-inf - -inf) problems never
+
+
+def causal_mask(sq: int, skv: int) -> jax.Array:
+    """Bottom-right aligned causal mask [Sq, Skv]: query i sees keys j <= i + (Skv - Sq)."""
+    qi = jnp.arange(sq)[:, None]
+    kj = jnp.arange(skv)[None, :]
+    return kj <= qi + (skv - sq)
+
+
+def attention_scores(q, k, sm_scale):
+    """Scores [B, Hkv, G, Sq, Skv] in float32, GQA groups kept apart (no repeated K)."""
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, sq, hkv, hq // hkv, d).astype(jnp.float32)
+    return jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * sm_scale
+
+
+def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | None = None):
+    """Attention and its log-sum-exp.
+
+    q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] -> (o [B, Sq, Hq, D] in q.dtype,
+    lse [B, Hq, Sq] float32, the natural log of the softmax denominator, scale included).
+    """
+    b, sq, hq, d = q.shape
+    skv, hkv = k.shape[1], k.shape[2]
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    s = attention_scores(q, k, sm_scale)  # (B, Hkv, G, Sq, Skv)
+    if causal:
+        s = jnp.where(causal_mask(sq, skv), s, NEG_INF)
+    m = s.max(-1, keepdims=True)
+    p = jnp.exp(s - m)
+    l = p.sum(-1, keepdims=True)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / l, v.astype(jnp.float32))
+    lse = (m + jnp.log(l))[..., 0].reshape(b, hq, sq)
+    return o.reshape(b, sq, hq, d).astype(q.dtype), lse
+
+
+def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None):
+    """q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] -> o [B, Sq, Hq, D]; see kernels.flash_attention."""
+    return flash_attention_with_lse(q, k, v, causal=causal, sm_scale=sm_scale)[0]
+
+
+def gather_pages(pages, block_tables):
+    """pages [Hkv, P, page, D], block_tables [B, n] -> contiguous [B, n * page, Hkv, D]."""
+    g = pages[:, block_tables]  # (Hkv, B, n, page, D)
+    hkv, b, n, ps, d = g.shape
+    return g.reshape(hkv, b, n * ps, d).transpose(1, 2, 0, 3)
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: float | None = None):
+    """Single-token decode attention over a paged KV cache.
+
+    q [B, Hq, D]; k_pages/v_pages [Hkv, num_pages, page_size, D]; block_tables int32
+    [B, max_pages]; lengths int32 [B]. Sequence b attends to its first lengths[b] cached
+    tokens; a length of 0 gives zeros.
+    """
+    b, hq, d = q.shape
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    k = gather_pages(k_pages, block_tables)
+    v = gather_pages(v_pages, block_tables)
+    s = attention_scores(q[:, None], k, sm_scale)[:, :, :, 0]  # (B, Hkv, G, S)
+    valid = jnp.arange(k.shape[1])[None, :] < lengths[:, None]  # (B, S)
+    s = jnp.where(valid[:, None, None, :], s, NEG_INF)
+    p = jnp.exp(s - s.max(-1, keepdims=True))
+    p = jnp.where(valid[:, None, None, :], p, 0.0)
+    denom = jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+    o = jnp.einsum("bhgk,bkhd->bhgd", p / denom, v.astype(jnp.float32))
+    return o.reshape(b, hq, d).astype(q.dtype)
