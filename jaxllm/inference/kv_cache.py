@@ -1,0 +1,290 @@
+"""Paged KV cache: a device page pool per layer stack and a host-side page allocator.
+
+The pool holds K and V as [L, Hkv, num_pages, page_size, D] in the model dtype; layer l
+is `k[l]`, the [Hkv, num_pages, page_size, D] layout `kernels.paged_attention` reads.
+A sequence owns a list of pages (its block table) and a length; token t of a sequence
+lives in page `table[t // page_size]` at offset `t % page_size`. Pages are taken one at
+a time as tokens arrive, so a sequence wastes at most its last, partly filled page.
+
+Sequences can be forked (beam search, parallel sampling, a shared prompt): the child
+shares every page with its parent (refcounts); the first write into a shared, partly
+filled last page copies it first (copy-on-write), and full pages are never written
+again, so they stay shared. When the pool runs dry, `OutOfPagesError` is raised before
+anything changes: the caller can free or preempt sequences and retry.
+
+Host bookkeeping is `PageAllocator` (pure Python + numpy, no device work). Device work is
+in jitted pure functions (`token_slots`, `write_kv`, `copy_pages`) that a jitted decode
+step can call directly; `PagedKVCache` ties both together for eager use.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class OutOfPagesError(ValueError):
+    """The page pool has too few free pages for the request; nothing was changed."""
+
+
+class PageAllocator:
+    """Which pages each sequence owns, with refcounts for pages shared by forks."""
+
+    def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
+        if num_pages < 1 or page_size < 1 or max_pages_per_seq < 1:
+            raise ValueError(f"num_pages={num_pages}, page_size={page_size} and "
+                             f"max_pages_per_seq={max_pages_per_seq} must all be >= 1")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.max_pages_per_seq = max_pages_per_seq
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: low page ids first
+        self._refs = np.zeros(num_pages, np.int32)
+        self._pages: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+        self._next_id = 0
+
+    # ---- queries ----
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def sequences(self) -> list[int]:
+        return list(self._pages)
+
+    def length(self, seq: int) -> int:
+        return self._lengths[self._check(seq)]
+
+    def pages(self, seq: int) -> list[int]:
+        return list(self._pages[self._check(seq)])
+
+    def refcount(self, page: int) -> int:
+        return int(self._refs[page])
+
+    def block_tables(self, seqs, width: int | None = None) -> np.ndarray:
+        """int32 [len(seqs), width]; entries past a sequence's pages are 0 (masked by length)."""
+        width = self.max_pages_per_seq if width is None else width
+        out = np.zeros((len(seqs), width), np.int32)
+        for i, s in enumerate(seqs):
+            pages = self._pages[self._check(s)]
+            if len(pages) > width:
+                raise ValueError(f"sequence {s} has {len(pages)} pages; width={width} is too small")
+            out[i, :len(pages)] = pages
+        return out
+
+    def lengths(self, seqs) -> np.ndarray:
+        return np.array([self.length(s) for s in seqs], np.int32)
+
+    # ---- changes ----
+    def allocate(self) -> int:
+        """A new, empty sequence (it holds no page until tokens are appended)."""
+        seq, self._next_id = self._next_id, self._next_id + 1
+        self._pages[seq], self._lengths[seq] = [], 0
+        return seq
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing all of `seq`'s pages and length (copy-on-write)."""
+        child = self.allocate()
+        self._pages[child] = list(self._pages[self._check(seq)])
+        self._lengths[child] = self._lengths[seq]
+        for p in self._pages[child]:
+            self._refs[p] += 1
+        return child
+
+    def free(self, seq: int) -> None:
+        for p in self._pages.pop(self._check(seq)):
+            self._release(p)
+        del self._lengths[seq]
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Drop tokens past `length` (e.g. rejected speculative tokens); frees unused pages."""
+        if not 0 <= length <= self.length(seq):
+            raise ValueError(f"cannot truncate sequence {seq} of length {self.length(seq)} "
+                             f"to {length}")
+        pages = self._pages[seq]
+        keep = -(-length // self.page_size)
+        for p in pages[keep:]:
+            self._release(p)
+        del pages[keep:]
+        self._lengths[seq] = length
+
+    def append(self, seqs, counts) -> tuple[list[np.ndarray], list[tuple[int, int]]]:
+        """Reserve room for counts[i] more tokens in seqs[i], all or nothing.
+
+        Returns (slots, copies): slots[i] is int32 [counts[i]], the flat pool slot
+        (page * page_size + offset) of each new token in order; copies are the
+        (src_page, dst_page) copies to run on the device before writing (copy-on-write of
+        shared, partly filled last pages). Raises OutOfPagesError (nothing changed) when
+        the free pages do not suffice.
+        """
+        seqs, counts = list(seqs), [int(c) for c in counts]
+        if len(seqs) != len(counts) or len(set(seqs)) != len(seqs):
+            raise ValueError(f"append wants distinct sequences and one count each; got "
+                             f"seqs={seqs} counts={counts}")
+        need = 0
+        for s, n in zip(seqs, counts):
+            length, pages = self.length(s), self._pages[s]
+            if n < 0:
+                raise ValueError(f"cannot append {n} tokens to sequence {s}")
+            total = -(-(length + n) // self.page_size)
+            if total > self.max_pages_per_seq:
+                raise ValueError(f"sequence {s} would need {total} pages for {length + n} tokens; "
+                                 f"max_pages_per_seq={self.max_pages_per_seq}")
+            need += total - len(pages) + int(self._needs_copy(s, n))
+        if need > len(self._free):
+            raise OutOfPagesError(f"need {need} free pages for this append but only "
+                                  f"{len(self._free)} of {self.num_pages} are free; free or "
+                                  f"preempt sequences, or make the pool larger")
+        slots, copies = [], []
+        for s, n in zip(seqs, counts):
+            pages, length = self._pages[s], self._lengths[s]
+            if self._needs_copy(s, n):
+                new = self._take()
+                copies.append((pages[-1], new))
+                self._release(pages[-1])
+                pages[-1] = new
+            while len(pages) * self.page_size < length + n:
+                pages.append(self._take())
+            pos = np.arange(length, length + n)
+            slots.append((np.asarray(pages, np.int64)[pos // self.page_size] * self.page_size
+                          + pos % self.page_size).astype(np.int32))
+            self._lengths[s] = length + n
+        return slots, copies
+
+    # ---- internals ----
+    def _check(self, seq: int) -> int:
+        if seq not in self._pages:
+            raise ValueError(f"unknown sequence id {seq}; live ones: {sorted(self._pages)}")
+        return seq
+
+    def _needs_copy(self, seq: int, n: int) -> bool:
+        pages = self._pages[seq]
+        partial = self._lengths[seq] % self.page_size != 0
+        return n > 0 and partial and self._refs[pages[-1]] > 1
+
+    def _take(self) -> int:
+        page = self._free.pop()
+        assert self._refs[page] == 0, f"page {page} handed out while still referenced"
+        self._refs[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        self._refs[page] -= 1
+        assert self._refs[page] >= 0
+        if self._refs[page] == 0:
+            self._free.append(page)
+
+
+# ---------------------------------------------------------------------------------------
+# Device side: pure, jitted functions over the pool arrays.
+
+
+def token_slots(block_tables, positions, page_size: int, num_pages: int):
+    """Flat pool slots of tokens at `positions` [B, T] (negative: padding) -> int32 [B, T].
+
+    Padding maps to `num_pages * page_size`, one past the end, which `write_kv` drops.
+    """
+    pos = jnp.maximum(positions, 0)
+    page = jnp.take_along_axis(block_tables, pos // page_size, axis=1, mode="clip")
+    slots = page * page_size + pos % page_size
+    return jnp.where(positions >= 0, slots, num_pages * page_size).astype(jnp.int32)
+
+
+def _write(pages, new, slots):
+    # pages [..., Hkv, P, page, D]; new [..., N, Hkv, D]; slots [N]
+    *lead, hkv, p, ps, d = pages.shape
+    flat = pages.reshape(*lead, hkv, p * ps, d)
+    new = jnp.moveaxis(new, -2, -3).astype(pages.dtype)  # [..., Hkv, N, D]
+    return flat.at[..., slots, :].set(new, mode="drop").reshape(pages.shape)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def write_kv(k_pages, v_pages, k_new, v_new, slots):
+    """Write new tokens into the pool; slots out of range (padding) are dropped.
+
+    k_pages/v_pages [L, Hkv, P, page, D] (or one layer, [Hkv, P, page, D]);
+    k_new/v_new [L, ..., Hkv, D] (or [..., Hkv, D]), the token axes matching `slots`.
+    Prefill chunks and batched decode tokens are the same call. The pool is donated.
+    """
+    lead = k_pages.ndim - 4
+    slots = slots.reshape(-1)
+    k_new = k_new.reshape(*k_new.shape[:lead], slots.shape[0], *k_new.shape[-2:])
+    v_new = v_new.reshape(*v_new.shape[:lead], slots.shape[0], *v_new.shape[-2:])
+    return _write(k_pages, k_new, slots), _write(v_pages, v_new, slots)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def copy_pages(k_pages, v_pages, src, dst):
+    """k[..., dst[i], :, :] = k[..., src[i], :, :] (same for v); dst out of range is dropped."""
+    def one(pages):
+        return pages.at[..., dst, :, :].set(pages[..., src, :, :], mode="drop")
+    return one(k_pages), one(v_pages)
+
+
+def _pad_pow2(xs: list[int], fill: int) -> np.ndarray:
+    n = 1 << max(0, (len(xs) - 1).bit_length())
+    return np.array(xs + [fill] * (n - len(xs)), np.int32)
+
+
+@dataclasses.dataclass
+class PagedKVCache:
+    """The pool arrays plus their allocator; eager convenience around the pure functions."""
+
+    k: jax.Array  # [L, Hkv, num_pages, page_size, D]
+    v: jax.Array
+    allocator: PageAllocator
+
+    @classmethod
+    def create(cls, *, n_layers: int, n_kv_heads: int, head_dim: int, num_pages: int,
+               page_size: int, max_pages_per_seq: int, dtype=jnp.bfloat16) -> "PagedKVCache":
+        shape = (n_layers, n_kv_heads, num_pages, page_size, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   PageAllocator(num_pages, page_size, max_pages_per_seq))
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    def allocate(self) -> int:
+        return self.allocator.allocate()
+
+    def fork(self, seq: int) -> int:
+        return self.allocator.fork(seq)
+
+    def free(self, seq: int) -> None:
+        self.allocator.free(seq)
+
+    def reserve(self, seqs, counts) -> np.ndarray:
+        """Room for counts[i] tokens in seqs[i]; runs copy-on-write copies; slots concatenated."""
+        slots, copies = self.allocator.append(seqs, counts)
+        if copies:
+            src, dst = zip(*copies)
+            self.k, self.v = copy_pages(self.k, self.v, _pad_pow2(list(src), 0),
+                                        _pad_pow2(list(dst), self.allocator.num_pages))
+        return np.concatenate(slots) if slots else np.zeros((0,), np.int32)
+
+    def write(self, k_new, v_new, slots) -> None:
+        """k_new/v_new [L, N, Hkv, D] for the N flat `slots`."""
+        self.k, self.v = write_kv(self.k, self.v, k_new, v_new, jnp.asarray(slots, jnp.int32))
+
+    def append(self, seq: int, k_new, v_new) -> None:
+        """Append a chunk [L, T, Hkv, D] of one sequence's K/V (a prefill chunk)."""
+        self.write(k_new, v_new, self.reserve([seq], [k_new.shape[1]]))
+
+    def tables(self, seqs, width: int | None = None):
+        """Device (block_tables int32 [B, width], lengths int32 [B]) for a batch."""
+        return (jnp.asarray(self.allocator.block_tables(seqs, width)),
+                jnp.asarray(self.allocator.lengths(seqs)))
+
+    def gather(self, seq: int):
+        """Contiguous (k, v) [L, length, Hkv, D] of one sequence (for tests and debugging)."""
+        pages = jnp.asarray(self.allocator.pages(seq), jnp.int32)
+        n = self.allocator.length(seq)
+
+        def one(pool):
+            g = pool[:, :, pages]  # [L, Hkv, n_pages, page, D]
+            lyr, hkv, npg, ps, d = g.shape
+            return g.reshape(lyr, hkv, npg * ps, d)[:, :, :n].transpose(0, 2, 1, 3)
+        return one(self.k), one(self.v)
