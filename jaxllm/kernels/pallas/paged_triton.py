@@ -33,7 +33,7 @@ _MIN_ROWS = 16  # tl.dot wants at least 16 rows
 
 def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, group: int,
                    page_size: int, pages_per_step: int, pages_per_split: int, n_table: int,
-                   scale_log2: float):
+                   scale_log2: float, allow_tf32: bool):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, head_dim = q_ref.shape
     block_k = pages_per_step * page_size
@@ -59,13 +59,13 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref
         k = pltriton.load(k_ref.at[h, kv_rows, cols], mask=kv_mask, other=0)
         v = pltriton.load(v_ref.at[h, kv_rows, cols], mask=kv_mask, other=0)
 
-        s = pltriton.dot(q, k, trans_b=True) * scale_log2  # [rows, block_k], log2 units
+        s = pltriton.dot(q, k, trans_b=True, allow_tf32=allow_tf32) * scale_log2  # [rows, block_k], log2 units
         s = jnp.where(valid[None, :], s, _NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l = l * corr + p.sum(axis=1)
-        acc = acc * corr[:, None] + pltriton.dot(p.astype(v.dtype), v)
+        acc = acc * corr[:, None] + pltriton.dot(p.astype(v.dtype), v, allow_tf32=allow_tf32)
         return acc, m_new, l
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
@@ -146,7 +146,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
 
     kernel = functools.partial(
         _decode_kernel, group=group, page_size=page_size, pages_per_step=pages_per_step,
-        pages_per_split=pages_per_split, n_table=n_table, scale_log2=sm_scale * _LOG2E)
+        pages_per_split=pages_per_split, n_table=n_table, scale_log2=sm_scale * _LOG2E,
+        allow_tf32=q.dtype != jnp.float32)  # float32 inputs get float32 products
     qg = q.reshape(batch, kv_heads, group, head_dim)
     k_flat = k_pages.reshape(kv_heads, num_pages * page_size, head_dim)
     v_flat = v_pages.reshape(kv_heads, num_pages * page_size, head_dim)

@@ -1,0 +1,302 @@
+"""Paged decode attention on the GPU: effective K/V bandwidth against the anchors, one run.
+
+    PYTHONPATH=. python benchmarks/paged_decode.py            # full table
+    PYTHONPATH=. python benchmarks/paged_decode.py --quick    # headline shape only
+    PYTHONPATH=. python benchmarks/paged_decode.py --quick --sweep   # + kernel config sweep
+
+Effective bandwidth = K/V bytes the attention must read (sum of lengths x Hkv x D x 2 x
+itemsize) / time. Compared in the same run: jaxllm's pallas_triton paged kernel, JAX's
+own Pallas paged_attention (same page layout and tables), cuDNN and XLA einsum attention
+on a contiguous cache [B, ctx, Hkv, D] (q of length 1), and the device's copy and read
+bandwidth. Pages are scattered (a random permutation of the pool). Each timing is the
+median over repetitions of one executable that runs `unroll` calls back to back on
+rotating inputs (>= ~300 MB in rotation, well past the 60 MB L2), divided by `unroll`.
+The script first checks every implementation against the jnp reference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.kernels import reference
+from jaxllm.kernels.pallas import paged_triton
+from jaxllm.kernels.xla import xla_attention
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = jnp.bfloat16
+SCALE = D**-0.5
+
+
+# ---------------------------------------------------------------------------------------
+# timing
+
+
+def bench(impl, argsets, est_bytes, iters=7):
+    """Median seconds per call of impl(*args), args rotating over `argsets`."""
+    est = max(est_bytes / 3.5e12, 2e-6)
+    unroll = int(min(32, max(4, math.ceil(1.5e-3 / est))))
+    n = len(argsets)
+    run = jax.jit(lambda sets: [impl(*sets[u % n]) for u in range(unroll)])
+    jax.block_until_ready(run(argsets))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(argsets))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / unroll
+
+
+def device_bandwidth():
+    x = jax.random.normal(jax.random.key(0), (1 << 30,), DTYPE)  # 2 GiB
+    nbytes = x.size * x.dtype.itemsize
+    t_copy = bench(lambda a: a + jnp.asarray(1, DTYPE), [(x,)], 2 * nbytes)
+    t_read = bench(lambda a: jnp.max(a), [(x,)], nbytes)
+    del x
+    return 2 * nbytes / t_copy, nbytes / t_read
+
+
+# ---------------------------------------------------------------------------------------
+# inputs
+
+
+def make_paged(key, b, ctx, page, lengths, n_rot):
+    """Pool with n_rot disjoint sets of tables (pages scattered), queries per set."""
+    n = -(-ctx // page)
+    num_pages = n_rot * b * n
+    kk, kv, kq, kp = jax.random.split(key, 4)
+    k_pages = jax.random.normal(kk, (HKV, num_pages, page, D), DTYPE)
+    v_pages = jax.random.normal(kv, (HKV, num_pages, page, D), DTYPE)
+    perm = np.random.default_rng(0).permutation(num_pages).astype(np.int32)
+    sets = []
+    for r in range(n_rot):
+        tables = jnp.asarray(perm[r * b * n:(r + 1) * b * n].reshape(b, n))
+        q = jax.random.normal(jax.random.fold_in(kq, r), (b, HQ, D), DTYPE)
+        sets.append((q, k_pages, v_pages, tables, lengths))
+    return sets
+
+
+def make_contiguous(key, b, ctx, n_rot):
+    sets = []
+    for r in range(n_rot):
+        kq, kk, kv = jax.random.split(jax.random.fold_in(key, r), 3)
+        sets.append((jax.random.normal(kq, (b, 1, HQ, D), DTYPE),
+                     jax.random.normal(kk, (b, ctx, HKV, D), DTYPE),
+                     jax.random.normal(kv, (b, ctx, HKV, D), DTYPE)))
+    return sets
+
+
+def rotations(kv_bytes):
+    return int(min(8, max(1, math.ceil(300e6 / kv_bytes))))
+
+
+# ---------------------------------------------------------------------------------------
+# implementations
+
+
+def ours(**cfg):
+    return lambda q, k, v, t, ln: paged_triton.paged_attention(q, k, v, t, ln, sm_scale=SCALE,
+                                                               **cfg)
+
+
+def jax_paged(n_table):
+    from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+    k_splits = math.gcd(16, n_table)
+
+    def fn(q, k, v, t, ln):  # JAX's kernel has no softmax scale: fold it into q
+        return jpa.paged_attention((q * SCALE).astype(q.dtype), k, v, t, ln, k_splits=k_splits)
+    return fn
+
+
+def cudnn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, scale=SCALE, implementation="cudnn")
+
+
+def xla(q, k, v):
+    return xla_attention(q, k, v, causal=False, sm_scale=SCALE)
+
+
+# ---------------------------------------------------------------------------------------
+# correctness first
+
+
+def check_correctness():
+    rng = np.random.default_rng(1)
+    results = []
+
+    def case(page, lengths, hq=HQ, hkv=HKV, d=D, dtype=DTYPE):
+        b, n = len(lengths), max(-(-max(lengths) // page), 1)
+        num_pages = b * n + 5
+        k = jnp.asarray(rng.standard_normal((hkv, num_pages, page, d)), dtype)
+        v = jnp.asarray(rng.standard_normal((hkv, num_pages, page, d)), dtype)
+        t = jnp.asarray(rng.permutation(num_pages)[: b * n].reshape(b, n), jnp.int32)
+        q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
+        return q, k, v, t, jnp.asarray(lengths, jnp.int32)
+
+    def err(a, b):
+        return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+    def check(name, tol, got_fn, want):
+        try:
+            results.append((name, err(got_fn(), want), tol))
+        except Exception as e:  # report, keep going
+            results.append((name, float("inf"), tol))
+            print(f"  check {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+    ragged = [0, 1, 15, 16, 17, 4000, 2048, 513]
+    for page in (16, 64):
+        args = case(page, ragged)
+        want = reference.paged_attention(*args, sm_scale=SCALE)
+        for cfg in ({}, {"num_splits": 1}, {"num_splits": 5, "block_k": 256}):
+            check(f"ours page={page} {cfg}", 2e-2,
+                  lambda: paged_triton.paged_attention(*args, sm_scale=SCALE, **cfg), want)
+    args32 = case(8, [300, 0, 77], hq=4, hkv=4, d=64, dtype=jnp.float32)
+    check("ours float32 MHA d=64", 1e-4,
+          lambda: paged_triton.paged_attention(*args32, sm_scale=0.2),
+          reference.paged_attention(*args32, sm_scale=0.2))
+    args = case(16, [4096] * 4)
+    want = reference.paged_attention(*args, sm_scale=SCALE)
+    check("jax pallas paged", 2e-2, lambda: jax_paged(args[3].shape[1])(*args), want)
+    q, kp, vp, t, ln = args
+    kc, vc = reference.gather_pages(kp, t), reference.gather_pages(vp, t)
+    check("cudnn contiguous", 2e-2, lambda: cudnn(q[:, None], kc, vc)[:, 0], want)
+    check("xla contiguous", 2e-2, lambda: xla(q[:, None], kc, vc)[:, 0], want)
+    ok = True
+    for name, e, tol in results:
+        status = "ok" if e <= tol else "FAIL"
+        ok &= status == "ok"
+        print(f"  check {name:45s} max|err|={e:.2e} (tol {tol:.0e}) {status}", flush=True)
+    return ok
+
+
+# ---------------------------------------------------------------------------------------
+# measurements
+
+
+def measure_shape(b, ctx, pages, contiguous_cache, impls=("ours", "jax", "cudnn", "xla"),
+                  configs=None, ragged=False):
+    """Rows of {impl, page, TB/s} for one (B, ctx)."""
+    key = jax.random.key(b * 7919 + ctx)
+    lengths = jnp.full((b,), ctx, jnp.int32)
+    if ragged:
+        lengths = jnp.asarray(np.random.default_rng(b).integers(1, ctx + 1, b), jnp.int32)
+    kv_bytes = int(lengths.sum()) * HKV * D * 2 * jnp.dtype(DTYPE).itemsize
+    n_rot = rotations(kv_bytes)
+    rows = []
+
+    def record(name, page, fn, sets, cfg=None):
+        try:
+            t = bench(fn, sets, kv_bytes)
+            rows.append(dict(impl=name, B=b, ctx=ctx, page=page, cfg=cfg, us=t * 1e6,
+                             tbps=kv_bytes / t / 1e12, ragged=ragged))
+            print(f"  B={b:4d} ctx={ctx:6d} page={page:3d} {name:28s} {t * 1e6:9.1f} us "
+                  f"{kv_bytes / t / 1e12:6.3f} TB/s", flush=True)
+        except Exception as e:  # one failing variant must not sink the run
+            print(f"  B={b} ctx={ctx} page={page} {name}: FAILED {type(e).__name__}: "
+                  f"{str(e)[:300]}", flush=True)
+
+    if not ragged and ({"cudnn", "xla"} & set(impls)):
+        if contiguous_cache.get((b, ctx)) is None:
+            contiguous_cache.clear()
+            contiguous_cache[(b, ctx)] = make_contiguous(key, b, ctx, n_rot)
+        csets = contiguous_cache[(b, ctx)]
+        if "cudnn" in impls:
+            record("cudnn contiguous", 0, cudnn, csets)
+        if "xla" in impls:
+            record("xla contiguous", 0, xla, csets)
+    for page in pages:
+        sets = make_paged(key, b, ctx, page, lengths, n_rot)
+        if "ours" in impls:
+            record("ours", page, ours(), sets)
+        for cfg in configs or []:
+            record(f"ours {cfg}", page, ours(**cfg), sets, cfg)
+        if "jax" in impls:
+            record("jax pallas paged", page, jax_paged(sets[0][3].shape[1]), sets)
+        del sets
+    return rows
+
+
+SWEEP = [dict(block_k=128, num_splits=s, num_warps=4, num_stages=3) for s in (1, 2, 3, 4, 6, 8, 16)]
+SWEEP += [dict(block_k=64, num_splits=s, num_warps=4, num_stages=3) for s in (2, 4, 8)]
+SWEEP += [dict(block_k=128, num_splits=4, num_warps=8, num_stages=3),
+          dict(block_k=128, num_splits=4, num_warps=4, num_stages=2),
+          dict(block_k=256, num_splits=2, num_warps=8, num_stages=3),
+          dict(block_k=256, num_splits=4, num_warps=8, num_stages=3)]
+SWEEP_B8 = [dict(num_splits=s) for s in (4, 8, 16, 32)]
+SWEEP_B128 = [dict(num_splits=s) for s in (1, 2, 3)]
+SWEEP_P64 = [dict(block_k=128, num_splits=s) for s in (2, 4, 8)] + [dict(block_k=256, num_splits=4, num_warps=8)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="headline shape only")
+    ap.add_argument("--sweep", action="store_true", help="also sweep kernel configurations")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    dev = jax.devices()[0]
+    print(f"device {dev.device_kind}, jax {jax.__version__}, SMs {getattr(dev, 'core_count', '?')}",
+          flush=True)
+    t_start = time.time()
+    ok = check_correctness()
+    print(f"correctness: {'all ok' if ok else 'FAILURES'} ({time.time() - t_start:.0f}s)", flush=True)
+    copy_bw, read_bw = device_bandwidth()
+    print(f"device copy (read+write) {copy_bw / 1e12:.3f} TB/s, read-only (max-reduce) "
+          f"{read_bw / 1e12:.3f} TB/s", flush=True)
+    rows, cc = [], {}
+    if args.quick:
+        rows += measure_shape(32, 4096, [16], cc, configs=SWEEP if args.sweep else None)
+        rows += measure_shape(32, 4096, [16], cc, impls=("ours", "jax"), ragged=True)
+        if args.sweep:
+            rows += measure_shape(32, 4096, [64], cc, impls=("ours",), configs=SWEEP_P64)
+            rows += measure_shape(8, 4096, [16], cc, impls=("ours", "cudnn"), configs=SWEEP_B8)
+            rows += measure_shape(128, 4096, [16], cc, impls=("ours", "cudnn"),
+                                  configs=SWEEP_B128)
+    else:
+        free = dev.memory_stats().get("bytes_limit", 140e9) if hasattr(dev, "memory_stats") else 140e9
+        for ctx in (512, 4096, 32768):
+            for b in (1, 8, 32, 128):
+                need = 2.6 * b * ctx * HKV * D * 2 * 2  # paged pool + contiguous cache, margin
+                if need > 0.9 * free:
+                    print(f"  skip B={b} ctx={ctx}: needs ~{need / 1e9:.0f} GB", flush=True)
+                    continue
+                rows += measure_shape(b, ctx, [16, 64], cc)
+    cc.clear()
+    summary = dict(device=dev.device_kind, jax=jax.__version__, correctness_ok=ok,
+                   copy_tbps=copy_bw / 1e12, read_tbps=read_bw / 1e12, rows=rows,
+                   seconds=time.time() - t_start)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "paged_decode.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    print_table(rows)
+    print(f"total {time.time() - t_start:.0f}s")
+
+
+def print_table(rows):
+    """Markdown: per (B, ctx, page) ours / JAX paged / best contiguous."""
+    by = {}
+    for r in rows:
+        if r["cfg"] is None and not r["ragged"]:
+            by.setdefault((r["B"], r["ctx"]), []).append(r)
+    print("\n| B | ctx | page | ours TB/s | JAX Pallas paged TB/s | cuDNN contig. | XLA contig. "
+          "| ours / best contiguous |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (b, ctx), rs in sorted(by.items()):
+        get = {(r["impl"], r["page"]): r["tbps"] for r in rs}
+        contig = [get.get(("cudnn contiguous", 0)), get.get(("xla contiguous", 0))]
+        best = max([c for c in contig if c] or [float("nan")])
+        for page in sorted({r["page"] for r in rs if r["page"]}):
+            o, j = get.get(("ours", page)), get.get(("jax pallas paged", page))
+            f = lambda x: f"{x:.2f}" if x else "-"  # noqa: E731
+            print(f"| {b} | {ctx} | {page} | {f(o)} | {f(j)} | {f(contig[0])} | {f(contig[1])} "
+                  f"| {o / best:.2f} |" if o else f"| {b} | {ctx} | {page} | - | {f(j)} | - | - | - |")
+
+
+if __name__ == "__main__":
+    main()
