@@ -1,0 +1,85 @@
+"""python -m jaxllm.generate (--run RUN_DIR | --config CONFIG) --prompt TEXT [options]
+
+Loads a trained model (a run directory, or a config whose train.run_dir holds
+checkpoints), generates from each prompt, streams the text of a single prompt as it is
+produced, and prints TTFT, TPOT and tokens/s at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m jaxllm.generate",
+                                 description="Generate text from a trained jaxllm model.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="run directory (config.yaml + checkpoints/)")
+    src.add_argument("--config", help="config file; its train.run_dir holds the checkpoints")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    ap.add_argument("--prompt-file", help="a file with one prompt per line")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--temperature", type=float, default=None, help="0 is greedy")
+    ap.add_argument("--top-k", type=int, default=None, help="0 turns it off")
+    ap.add_argument("--top-p", type=float, default=None, help="1.0 turns it off")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    return ap
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.exists():
+            raise ValueError(f"--prompt-file {str(path)!r} does not exist")
+        prompts += [line.rstrip("\n").replace("\\n", "\n")
+                    for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give at least one --prompt or a --prompt-file")
+    return prompts
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from jaxllm.config import ConfigError, load_config
+    from jaxllm.inference.decode import generate
+    from jaxllm.train.checkpoint import load_model
+
+    try:
+        prompts = read_prompts(args)
+        run_dir = args.run or load_config(args.config, args.overrides).train.run_dir
+        model, cfg, step = load_model(run_dir, args.step, args.overrides)
+        if args.config:  # the given config wins for inference options
+            cfg = cfg.replace(inference=load_config(args.config, args.overrides).inference)
+        for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
+            if getattr(args, name) is not None:
+                from dataclasses import replace
+                cfg = cfg.replace(inference=replace(cfg.inference, **{name: getattr(args, name)}))
+        from jaxllm.config import validate
+        validate(cfg)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    print(f"[model from {run_dir}, step {step}]", file=sys.stderr)
+    single = len(prompts) == 1
+    if single:
+        print(prompts[0], end="", flush=True)
+    result = generate(model, cfg, prompts, seed=args.seed, return_result=True,
+                      stream=(lambda s: print(s, end="", flush=True)) if single else None)
+    if single:
+        print()
+    else:
+        for p, t in zip(prompts, result.texts):
+            print(f"--- {p!r}\n{p}{t}")
+    print(f"[TTFT {1e3 * result.ttft_s:.1f} ms, TPOT {1e3 * result.tpot_s:.2f} ms, "
+          f"{result.tokens_per_s:,.0f} tokens/s over {len(prompts)} prompt(s), "
+          f"compile {result.compile_s:.1f} s]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

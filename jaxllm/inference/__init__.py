@@ -1,0 +1,1 @@
+"""Inference: sampling, cached decoding, paged KV cache, speculative decoding."""

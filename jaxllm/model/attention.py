@@ -1,0 +1,90 @@
+"""Grouped-query attention (MHA / GQA / MQA through n_kv_heads) and its contiguous KV cache."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.kernels import flash_attention
+from jaxllm.kernels.reference import NEG_INF
+from jaxllm.model.layers import Linear, apply_rope
+
+
+class KVCache(NamedTuple):
+    """Contiguous cache for all layers: k, v [L, B, max_len, Hkv, D] in the compute dtype.
+
+    Position p of row b lives at [:, b, p]; writes are indexed by position, so tokens
+    written past a row's true length (padding, rejected speculative drafts) are simply
+    overwritten later and never read, since attention masks keys after the query.
+    """
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def init(cls, n_layers, batch, max_len, n_kv_heads, head_dim, dtype) -> "KVCache":
+        shape = (n_layers, batch, max_len, n_kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def cached_attention(q, k_cache, v_cache, q_positions):
+    """Attention of new queries over a contiguous cache, masking keys after each query.
+
+    q (B, S, Hq, D); k_cache/v_cache (B, T, Hkv, D); q_positions int (B, S).
+    K/V are read once per group of query heads (no repeat). Softmax in float32.
+    """
+    b, s, hq, d = q.shape
+    t, hkv = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(b, s, hkv, hq // hkv, d)
+    scores = jnp.einsum("bshgd,bthd->bhgst", qg, k_cache,
+                        preferred_element_type=jnp.float32) * d**-0.5
+    visible = jnp.arange(t)[None, None, :] <= q_positions[:, :, None]  # (B, S, T)
+    scores = jnp.where(visible[:, None, None], scores, NEG_INF)
+    p = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    o = jnp.einsum("bhgst,bthd->bshgd", p, v_cache)
+    return o.reshape(b, s, hq, d)
+
+
+class Attention(nnx.Module):
+    def __init__(self, *, d_model, n_heads, n_kv_heads, head_dim, rope_theta, attention_impl,
+                 qkv_bias=False, dtype, param_dtype, rngs, std, out_std):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q = Linear((d_model,), (n_heads, head_dim), ("embed", "q_heads", "head_dim"),
+                        "bsd,dhk->bshk", std=std, bias=qkv_bias, **kw)
+        self.k = Linear((d_model,), (n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+                        "bsd,dhk->bshk", std=std, bias=qkv_bias, **kw)
+        self.v = Linear((d_model,), (n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+                        "bsd,dhk->bshk", std=std, bias=qkv_bias, **kw)
+        self.o = Linear((n_heads, head_dim), (d_model,), ("q_heads", "head_dim", "embed"),
+                        "bshk,hkd->bsd", std=out_std, **kw)
+        self.rope_theta, self.impl = rope_theta, attention_impl
+
+    def __call__(self, x, positions, cache: KVCache | None = None, layer=None,
+                 prefill: bool = False):
+        """x (B, S, d), positions int (B, S) -> (out (B, S, d), cache).
+
+        Without a cache: causal self-attention over x (training, scoring).
+        With a cache: the new K/V are written at `positions` of layer `layer`, then
+        - prefill=True: positions start at 0 in every row, so attention over the new
+          tokens alone (the flash kernel) is exact;
+        - otherwise the queries attend over the cache, keys after each query masked.
+        """
+        q = apply_rope(self.q(x), positions, self.rope_theta)  # (B, S, Hq, D)
+        k = apply_rope(self.k(x), positions, self.rope_theta)  # (B, S, Hkv, D)
+        v = self.v(x)
+        if cache is None:
+            return self.o(flash_attention(q, k, v, causal=True, impl=self.impl)), None
+        rows = jnp.arange(x.shape[0])[:, None]  # (B, 1)
+        cache = KVCache(cache.k.at[layer, rows, positions].set(k.astype(cache.k.dtype)),
+                        cache.v.at[layer, rows, positions].set(v.astype(cache.v.dtype)))
+        if prefill:
+            o = flash_attention(q, k, v, causal=True, impl=self.impl)
+        else:
+            o = cached_attention(q.astype(cache.k.dtype), cache.k[layer], cache.v[layer],
+                                 positions)
+        return self.o(o), cache

@@ -1,0 +1,117 @@
+"""The Llama-family decoder: embed -> N x [norm, attention, norm, SwiGLU] -> norm -> head.
+
+The N blocks are one stacked module (every parameter has a leading `layers` axis) run by
+`jax.lax.scan`, so compile time does not grow with depth and pipeline stages are slices.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config import ModelConfig
+from jaxllm.model.attention import Attention, KVCache
+from jaxllm.model.layers import MLP, Embed, Linear, RMSNorm, as_dtype
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing; recompute the whole block
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype, pdtype = as_dtype(cfg.dtype), as_dtype(cfg.param_dtype)
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.d_model, **norm)
+        self.attn = Attention(d_model=cfg.d_model, n_heads=cfg.n_heads,
+                              n_kv_heads=cfg.n_kv_heads, head_dim=cfg.resolved_head_dim,
+                              rope_theta=cfg.rope_theta, attention_impl=cfg.attention_impl,
+                              qkv_bias=cfg.qkv_bias, dtype=dtype, param_dtype=pdtype, rngs=rngs,
+                              std=cfg.init_std, out_std=out_std)
+        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+        self.mlp = MLP(cfg.d_model, cfg.mlp_dim, dtype=dtype, param_dtype=pdtype, rngs=rngs,
+                       std=cfg.init_std, out_std=out_std)
+
+    def __call__(self, x, positions, cache=None, layer=None, prefill=False):
+        h, cache = self.attn(self.attn_norm(x), positions, cache, layer, prefill)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class Decoder(nnx.Module):
+    """tokens int32 [B, S] -> logits float32 [B, S, V]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype, pdtype = as_dtype(cfg.dtype), as_dtype(cfg.param_dtype)
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=pdtype,
+                           rngs=rngs, std=cfg.init_std)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype, param_dtype=pdtype,
+                                  rngs=rngs)
+        self.head = None if cfg.tie_embeddings else Linear(
+            (cfg.d_model,), (cfg.vocab_size,), ("embed", "vocab"), "bsd,dv->bsv",
+            dtype=dtype, param_dtype=pdtype, rngs=rngs, std=cfg.init_std)
+
+    # -- pieces, so that MTP heads and speculative decoding can reuse them -------------
+
+    def logits(self, h):
+        """Final norm + output head: hidden (B, S, d) -> float32 logits (B, S, V)."""
+        h = self.final_norm(h)
+        if self.head is None:
+            return self.embed.attend(h)
+        return self.head(h).astype(jnp.float32)
+
+    def run_blocks(self, x, positions, cache: KVCache | None = None, prefill: bool = False):
+        """Scan the stacked blocks over x (B, S, d). Returns (hidden, cache)."""
+        graphdef, state = nnx.split(self.blocks)
+
+        def body(carry, layer_state):
+            x, cache, layer = carry
+            block = nnx.merge(graphdef, layer_state)
+            x, cache = block(x, positions, cache, layer, prefill)
+            return (x, cache, layer + 1), None
+
+        if self.cfg.remat != "none" and cache is None:
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
+        (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(0)), state)
+        return x, cache
+
+    def __call__(self, tokens, *, return_hidden: bool = False):
+        """Training / scoring forward: causal attention over the whole sequence."""
+        b, s = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        h, _ = self.run_blocks(self.embed(tokens), positions)
+        logits = self.logits(h)
+        return (logits, h) if return_hidden else logits
+
+    def forward_cached(self, tokens, cache: KVCache, start, *, prefill: bool = False,
+                       return_hidden: bool = False):
+        """Forward with a KV cache. tokens (B, S) sit at positions start[b] + i.
+
+        Returns (logits (B, S, V), cache[, hidden]). With prefill=True every row starts at 0.
+        """
+        b, s = tokens.shape
+        positions = start[:, None].astype(jnp.int32) + jnp.arange(s, dtype=jnp.int32)[None]
+        h, cache = self.run_blocks(self.embed(tokens), positions, cache, prefill)
+        logits = self.logits(h)
+        return (logits, cache, h) if return_hidden else (logits, cache)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        c = self.cfg
+        return KVCache.init(c.n_layers, batch, max_len, c.n_kv_heads, c.resolved_head_dim,
+                            as_dtype(dtype or c.dtype))
+
+
+def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs | None = None) -> Decoder:
+    """The decoder for `cfg` (a ModelConfig, or a full Config whose .model is used)."""
+    cfg = getattr(cfg, "model", cfg)
+    return Decoder(cfg, rngs=rngs if rngs is not None else nnx.Rngs(0))

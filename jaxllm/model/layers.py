@@ -1,0 +1,106 @@
+"""Building blocks: parameters with logical axes, linear, embedding, RMSNorm, RoPE, SwiGLU.
+
+Every parameter carries logical axis names (see DESIGN.md: batch, seq, embed, q_heads,
+kv_heads, head_dim, mlp, vocab, layers, ...). `jaxllm.sharding.rules` maps them onto the
+mesh; model code never sees a mesh.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def as_dtype(name) -> jnp.dtype:
+    return DTYPES[name] if isinstance(name, str) else name
+
+
+def param(rngs: nnx.Rngs, shape, axes: tuple, dtype, std: float | None = None,
+          value: float | None = None) -> nnx.Param:
+    """A parameter of `shape` named by logical `axes`: normal(std) init, or constant `value`.
+
+    Sharding is applied from outside (sharding/rules.py), so eager sharding is off here.
+    """
+    assert len(shape) == len(axes), (shape, axes)
+    if value is not None:
+        x = jnp.full(shape, value, dtype)
+    else:
+        x = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(x, out_sharding=axes, eager_sharding=False)
+
+
+class Linear(nnx.Module):
+    """y = x @ W with W [*in_shape, *out_shape]; `spec` is the einsum, e.g. 'bsd,dhk->bshk'."""
+
+    def __init__(self, in_shape, out_shape, axes, spec: str, *, dtype, param_dtype,
+                 rngs: nnx.Rngs, std: float, bias: bool = False):
+        shape = tuple(in_shape) + tuple(out_shape)
+        self.kernel = param(rngs, shape, axes, param_dtype, std=std)
+        self.bias = (param(rngs, tuple(out_shape), axes[len(in_shape):], param_dtype, value=0.0)
+                     if bias else None)
+        self.spec, self.dtype = spec, dtype
+
+    def __call__(self, x):
+        y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab_size: int, d_model: int, *, dtype, param_dtype, rngs, std: float):
+        self.embedding = param(rngs, (vocab_size, d_model), ("vocab", "embed"), param_dtype,
+                               std=std)
+        self.dtype = dtype
+
+    def __call__(self, tokens):  # (B, S) -> (B, S, d)
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+    def attend(self, x):  # tied output head: (B, S, d) -> (B, S, V) in f32
+        return jnp.einsum("bsd,vd->bsv", x.astype(self.dtype),
+                          self.embedding[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale, computed in float32, returned in the compute dtype."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, rngs):
+        self.scale = param(rngs, (dim,), ("embed",), param_dtype, value=1.0)
+        self.eps, self.dtype = eps, dtype
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float) -> jax.Array:
+    return theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # (D/2,)
+
+
+def apply_rope(x, positions, theta: float):
+    """Rotary embedding, half-split convention. x (B, S, H, D), positions int (B, S)."""
+    d = x.shape[-1]
+    angles = positions[..., None].astype(jnp.float32) * rope_frequencies(d, theta)  # (B,S,D/2)
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d_model: int, mlp_dim: int, *, dtype, param_dtype, rngs, std: float,
+                 out_std: float):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate = Linear((d_model,), (mlp_dim,), ("embed", "mlp"), "bsd,dm->bsm", std=std, **kw)
+        self.up = Linear((d_model,), (mlp_dim,), ("embed", "mlp"), "bsd,dm->bsm", std=std, **kw)
+        self.down = Linear((mlp_dim,), (d_model,), ("mlp", "embed"), "bsm,md->bsd", std=out_std,
+                           **kw)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))

@@ -1,0 +1,1 @@
+"""Training: data, optimizer, checkpoints and the loop."""

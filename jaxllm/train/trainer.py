@@ -1,0 +1,282 @@
+"""The training loop: one jitted step with donated state, evaluation, logging, checkpoints.
+
+    summary = train(load_config("configs/tiny.yaml"))
+
+Parameters and optimizer state are plain nested dicts (`nnx.to_pure_dict`), so optax,
+orbax and the sharding rules see ordinary pytrees; the NNX graph is merged back inside the
+jitted step.
+"""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxllm.config import Config, save_config
+from jaxllm.model import build_model
+from jaxllm.tokenizer import load_tokenizer
+from jaxllm.train import data as data_lib
+from jaxllm.train.checkpoint import Checkpointer
+from jaxllm.train.optim import lr_schedule, make_optimizer
+
+# Dense bf16 peak FLOP/s by device kind (datasheet figures, without sparsity).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12,
+              "B200": 2250e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12,
+              "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12}
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+def device_peak_flops() -> float | None:
+    """Peak bf16 FLOP/s of all local devices together; None when unknown (e.g. the CPU)."""
+    dev = jax.local_devices()[0]
+    if dev.platform != "gpu":
+        return None
+    for name, flops in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if name in dev.device_kind:
+            return flops * jax.device_count()
+    return None
+
+
+def cross_entropy(logits, targets):
+    """Mean token cross-entropy in float32 (nats). logits (B, S, V), targets (B, S)."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse - picked)
+
+
+@dataclass
+class TrainFns:
+    graphdef: nnx.GraphDef
+    tx: optax.GradientTransformation
+    step: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics)
+    eval: Callable  # (params, batch) -> loss
+
+
+def loss_fn(graphdef, params, batch):
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["inputs"])
+    return cross_entropy(logits, batch["targets"])
+
+
+def make_train_fns(cfg: Config, graphdef) -> TrainFns:
+    tx = make_optimizer(cfg.train)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    return TrainFns(graphdef, tx, jax.jit(step, donate_argnums=(0, 1)),
+                    jax.jit(lambda p, b: loss_fn(graphdef, p, b)))
+
+
+def init_state(cfg: Config):
+    """(graphdef, params, opt_state, fns) for a fresh model."""
+    model = build_model(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    fns = make_train_fns(cfg, graphdef)
+    return graphdef, params, fns.tx.init(params), fns
+
+
+class _StopFlag:
+    """SIGTERM and a first Ctrl-C set a flag the loop checks, so the run saves and exits
+    cleanly between steps; a second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.stop, self.signal_name, self._old = False, None, {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, _frame):
+        if self.stop and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.stop, self.signal_name = True, signal.Signals(signum).name
+
+    def __exit__(self, *_):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class _Logger:
+    """metrics.jsonl plus a rich progress bar (or plain lines when not on a terminal)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, start_step: int):
+        self.path = run_dir / "metrics.jsonl"
+        self.total = cfg.train.steps
+        # A resumed run keeps the records up to its checkpoint and rewrites the rest.
+        kept = []
+        if self.path.exists():
+            kept = [l for l in self.path.read_text().splitlines()
+                    if l.strip() and json.loads(l)["step"] <= start_step]
+        self.file = open(self.path, "w")
+        for line in kept:
+            self.file.write(line + "\n")
+        self.file.flush()
+        self.progress = None
+        self.console = None
+        if jax.process_index() == 0:
+            from rich.console import Console
+            self.console = Console()
+            if cfg.train.progress and self.console.is_terminal:
+                from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                           TimeRemainingColumn)
+                self.progress = Progress(
+                    TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                    console=self.console)
+                self.task = self.progress.add_task("train", total=self.total,
+                                                   completed=start_step, info="")
+                self.progress.start()
+
+    def print(self, msg: str):
+        if self.console is not None:
+            self.console.print(msg, highlight=False)
+
+    def record(self, rec: dict):
+        if jax.process_index() == 0:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        info = f"loss {rec['loss']:.4f}  {rec['tokens_per_s']:,.0f} tok/s"
+        if rec.get("mfu") is not None:
+            info += f"  MFU {100 * rec['mfu']:.1f}%"
+        if "eval_loss" in rec:
+            info += f"  eval {rec['eval_loss']:.4f}"
+        if self.progress is not None:
+            self.progress.update(self.task, completed=rec["step"], info=info)
+            if "eval_loss" in rec:
+                self.print(f"step {rec['step']}: {info}")
+        else:
+            self.print(f"step {rec['step']:>6}/{self.total}  {info}  lr {rec['lr']:.2e}")
+
+    def close(self):
+        if self.progress is not None:
+            self.progress.stop()
+        self.file.close()
+
+
+def evaluate(fns: TrainFns, params, cfg: Config, tokens: np.ndarray, place) -> float:
+    """Mean loss over a fixed set of validation batches (the same at every evaluation)."""
+    t = cfg.train
+    losses = []
+    for i in range(t.eval_batches):
+        batch = data_lib.get_batch(tokens, t.seq_len, t.batch_size, t.seed, i,
+                                   stream=data_lib.EVAL_STREAM, host_id=jax.process_index(),
+                                   num_hosts=jax.process_count())
+        losses.append(fns.eval(params, place(batch)))
+    return float(np.mean(jax.device_get(losses)))
+
+
+def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = None,
+          stop_at: int | None = None) -> dict:
+    """Train `cfg`; returns {'step', 'loss', 'eval_loss', 'run_dir', 'interrupted'}.
+
+    Resumes from the run directory's latest checkpoint when there is one (and `resume`).
+    `stop_at` ends this call early at that step (saving a checkpoint) without changing the
+    schedule, which still runs to train.steps; a later call continues from there.
+    """
+    t = cfg.train
+    run_dir = Path(t.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but "
+                         f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
+    data = data_lib.load_tokens(cfg.data, tokenizer)
+    place = place_batch or (lambda b: jax.tree.map(jnp.asarray, b))
+
+    graphdef, params, opt_state, fns = init_state(cfg)
+    ckpt = Checkpointer(run_dir, cfg.checkpoint)
+    start = 0
+    if resume and ckpt.latest_step() is not None:
+        params, opt_state, start = ckpt.restore(params, opt_state)
+    logger = _Logger(cfg, run_dir, start)
+    n_params = cfg.model.num_params()
+    logger.print(f"model: {n_params / 1e6:.2f}M parameters; data: {len(data.train):,} train / "
+                 f"{len(data.val):,} val tokens; devices: {jax.device_count()} x "
+                 f"{jax.devices()[0].device_kind}" + (f"; resumed at step {start}" if start else ""))
+
+    schedule = lr_schedule(t)
+    peak = device_peak_flops()
+    flops_per_token = cfg.model.flops_per_token(t.seq_len)
+    tokens_per_step = t.batch_size * t.seq_len
+    pending, last_saved = [], start
+    interrupted, last_loss, eval_loss = False, float("nan"), None
+    tick, tick_step = time.perf_counter(), start
+
+    def check_finite(upto_step):
+        """Fetch pending losses; raise if any is not finite. Returns the last one."""
+        vals = [float(x) for x in jax.device_get([m["loss"] for m in pending])]
+        pending.clear()
+        for i, v in enumerate(vals):
+            if not math.isfinite(v):
+                ckpt.wait()
+                raise NonFiniteLoss(
+                    f"loss became {v} at or before step {upto_step}; stopping. The last good "
+                    f"checkpoint (step {ckpt.latest_step()}) is kept in {ckpt.dir}. Lower "
+                    f"train.lr (now {t.lr}) or raise train.warmup_steps.")
+        return vals[-1] if vals else float("nan")
+
+    step = start
+    try:
+        with _StopFlag() as flag:
+            while step < t.steps:
+                batch = data_lib.get_batch(data.train, t.seq_len, t.batch_size, t.seed, step,
+                                           host_id=jax.process_index(),
+                                           num_hosts=jax.process_count())
+                params, opt_state, metrics = fns.step(params, opt_state, place(batch))
+                pending.append(metrics)
+                step += 1
+                is_log = step % t.log_every == 0 or step == t.steps
+                is_eval = step % t.eval_every == 0 or step == t.steps
+                is_save = step % cfg.checkpoint.every == 0 or step == t.steps
+                if is_log or is_save or flag.stop or step == stop_at:
+                    last_loss = check_finite(step)
+                if is_log:
+                    now = time.perf_counter()
+                    tps = (step - tick_step) * tokens_per_step / (now - tick)
+                    rec = {"step": step, "loss": last_loss, "lr": float(schedule(step - 1)),
+                           "tokens_per_s": tps,
+                           "mfu": tps * flops_per_token / peak if peak else None}
+                    if is_eval:
+                        eval_loss = evaluate(fns, params, cfg, data.val, place)
+                        rec["eval_loss"] = eval_loss
+                    logger.record(rec)
+                    tick, tick_step = time.perf_counter(), step
+                if is_save or flag.stop:
+                    ckpt.save(step, params, opt_state, force=True)
+                    last_saved = step
+                if stop_at is not None and step >= stop_at and not flag.stop:
+                    ckpt.save(step, params, opt_state, force=True)
+                    break
+                if flag.stop:
+                    interrupted = True
+                    logger.print(f"stopped by {flag.signal_name} at step {step}; checkpoint saved")
+                    break
+    finally:
+        ckpt.close()
+        logger.close()
+    return {"step": step, "loss": last_loss, "eval_loss": eval_loss, "run_dir": str(run_dir),
+            "interrupted": interrupted}
