@@ -98,9 +98,10 @@ def _pick(table, name, valid, auto_order):
 
 
 def _flash_auto_order() -> list[str]:
-    # The fastest correct implementation first; the reference on the CPU.
+    # Our Pallas kernels first (the faster backend first), then cuDNN and XLA; the
+    # reference on the CPU.
     if _platform() == "gpu":
-        return ["cudnn", "xla"]
+        return ["pallas_mosaic", "pallas_triton", "cudnn", "xla"]
     return ["reference"]
 
 

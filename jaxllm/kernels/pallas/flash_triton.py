@@ -59,18 +59,24 @@ class BlockSizes:
                 raise ValueError(f"{f.name}={val!r} must be a positive int")
 
 
-# Tuned on the H200 (bf16); keyed by head dim. Other devices use the same table.
+# Tuned on the H200 (bf16, B=4 S=4096 Hq=32 Hkv=8; benchmarks/attention.py --tune), keyed by
+# the padded head dim. Other devices use the same table.
 _TUNED = {
-    64: BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3),
-    128: BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3),
-    256: BlockSizes(block_q=64, block_k=32, num_warps=4, num_stages=2,
-                    block_q_dkv=16, block_k_dkv=32, block_q_dq=32, block_k_dq=16),
+    64: BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=3,
+                   block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
+                   num_warps_bwd=4, num_stages_bwd=2),
+    128: BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=3,
+                    block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
+                    num_warps_bwd=4, num_stages_bwd=2),
+    256: BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2,
+                    block_q_dkv=32, block_k_dkv=32, block_q_dq=32, block_k_dq=32,
+                    num_warps_bwd=4, num_stages_bwd=2),
 }
 
 
 def default_block_sizes(head_dim: int) -> BlockSizes:
     """The tuned tile sizes for a (padded, power-of-two) head dim."""
-    return _TUNED.get(head_dim, _TUNED[256] if head_dim > 128 else _TUNED[128 if head_dim > 64 else 64])
+    return _TUNED[min(_TUNED, key=lambda d: (d < head_dim, abs(d - head_dim)))]
 
 
 def _next_pow2(x: int) -> int:
