@@ -12,6 +12,7 @@ from flax import nnx
 from jaxllm.config import ModelConfig
 from jaxllm.model.attention import Attention, KVCache
 from jaxllm.model.layers import MLP, Embed, Linear, RMSNorm, as_dtype
+from jaxllm.model.mtp import MTPHeads
 
 REMAT_POLICIES = {
     "full": None,  # save nothing; recompute the whole block
@@ -60,6 +61,8 @@ class Decoder(nnx.Module):
         self.head = None if cfg.tie_embeddings else Linear(
             (cfg.d_model,), (cfg.vocab_size,), ("embed", "vocab"), "bsd,dv->bsv",
             dtype=dtype, param_dtype=pdtype, rngs=rngs, std=cfg.init_std)
+        # multi-token-prediction modules (model/mtp.py): extra training loss, drafting
+        self.mtp = MTPHeads(cfg, rngs=rngs) if cfg.mtp_depth > 0 else None
 
     # -- pieces, so that MTP heads and speculative decoding can reuse them -------------
 
