@@ -19,6 +19,9 @@ import yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas_triton", "pallas_mosaic")
+# model.rope_scaling: the keys each rope_type takes (Llama 3.1 frequency scaling)
+ROPE_SCALING_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                "original_max_position_embeddings")}
 
 
 class ConfigError(ValueError):
@@ -35,6 +38,8 @@ class ModelConfig:
     head_dim: int | None = None  # default d_model // n_heads
     mlp_dim: int = 512
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", ...} (see ROPE_SCALING_KEYS)
+    sliding_window: int | None = None  # attend to the last `sliding_window` keys (Mistral)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     attention_impl: str = "auto"
@@ -45,6 +50,11 @@ class ModelConfig:
     max_seq_len: int = 2048  # longest sequence generation may build a cache for
     mtp_depth: int = 0  # multi-token-prediction modules (speculative drafting)
     init_std: float = 0.02
+
+    def __hash__(self):  # rope_scaling is a dict; models keep the config in static metadata
+        scaling = tuple(sorted((self.rope_scaling or {}).items()))
+        return hash(tuple(getattr(self, f.name) if f.name != "rope_scaling" else scaling
+                          for f in dataclasses.fields(self)))
 
     @property
     def resolved_head_dim(self) -> int:
@@ -119,6 +129,7 @@ class CheckpointConfig:
     every: int = 500
     keep: int = 3
     async_save: bool = True
+    enabled: bool = True  # False: no checkpoints at all (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,7 @@ class InferenceConfig:
     top_p: float = 1.0  # 1.0: off
     speculative: dict = field(default_factory=lambda: {"method": "none"})
     decode_chunk: int = 16  # tokens decoded on the device between host syncs (streaming)
+    unroll_layers: bool = False  # unroll the layer loop in decode steps (faster, longer compile)
 
 
 @dataclass(frozen=True)
@@ -267,6 +279,25 @@ def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
+def _validate_rope_scaling(scaling: dict) -> None:
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_SCALING_KEYS:
+        raise ConfigError(f"model.rope_scaling.rope_type={kind!r} is not supported; "
+                          f"choose one of {sorted(ROPE_SCALING_KEYS)} (or rope_scaling: null)")
+    keys = ROPE_SCALING_KEYS[kind]
+    for key in scaling:
+        if key != "rope_type" and key not in keys:
+            raise ConfigError(f"unknown key model.rope_scaling.{key} for rope_type {kind!r}"
+                              + _did_you_mean(key, keys))
+    for key in keys:
+        v = scaling.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ConfigError(f"model.rope_scaling.{key}={v!r} must be a positive number")
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ConfigError(f"model.rope_scaling.high_freq_factor={scaling['high_freq_factor']} "
+                          f"must exceed low_freq_factor={scaling['low_freq_factor']}")
+
+
 def validate(cfg: Config) -> None:
     m = cfg.model
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_dim",
@@ -285,6 +316,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"head_dim={m.resolved_head_dim} must be even for rotary embeddings")
     if m.rope_theta <= 0:
         raise ConfigError(f"model.rope_theta={m.rope_theta} must be positive")
+    if m.rope_scaling is not None:
+        _validate_rope_scaling(m.rope_scaling)
+    if m.sliding_window is not None and m.sliding_window <= 0:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} must be positive "
+                          f"(or null for full attention)")
     if m.mtp_depth < 0:
         raise ConfigError(f"model.mtp_depth={m.mtp_depth} must be >= 0")
     for name in ("dtype", "param_dtype"):

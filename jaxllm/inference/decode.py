@@ -58,9 +58,9 @@ def prefill(graphdef, params, tokens, lengths, key, *, cache_len, temperature, t
 
 
 @partial(jax.jit, static_argnames=("graphdef", "steps", "temperature", "top_k", "top_p",
-                                   "eos_id"), donate_argnames=("cache",))
+                                   "eos_id", "unroll"), donate_argnames=("cache",))
 def decode_chunk(graphdef, params, cache, token, pos, done, key, *, steps, temperature, top_k,
-                 top_p, eos_id):
+                 top_p, eos_id, unroll=1):
     """`steps` decode steps on the device. token (B,) sits at pos (B,).
 
     Returns (cache, next token, next pos, done, key, emitted (B, steps)); rows already
@@ -71,7 +71,7 @@ def decode_chunk(graphdef, params, cache, token, pos, done, key, *, steps, tempe
     def step(carry, _):
         cache, token, pos, done, key = carry
         key, sub = jax.random.split(key)
-        logits, cache = model.forward_cached(token[:, None], cache, pos)
+        logits, cache = model.forward_cached(token[:, None], cache, pos, unroll=unroll)
         nxt = sample(logits[:, 0], sub, temperature, top_k, top_p)
         emitted = jnp.where(done, -1, token)
         done = done | (token == eos_id) if eos_id is not None else done
@@ -86,7 +86,7 @@ def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: 
                  temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  eos_id: int | None = None, chunk: int = 16,
                  on_tokens: Callable[[np.ndarray], None] | None = None,
-                 warmup: bool = True) -> tuple[list[list[int]], dict]:
+                 warmup: bool = True, unroll: int | bool = 1) -> tuple[list[list[int]], dict]:
     """Generate up to `max_new_tokens` ids per prompt. Returns (ids per prompt, timings).
 
     `on_tokens(ids (B, n))` is called with every newly generated block (-1 after a row's
@@ -103,6 +103,7 @@ def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: 
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     tokens = jnp.asarray(tokens)
     opts = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    step_opts = dict(opts, eos_id=eos_id, steps=chunk, unroll=unroll)
     key = jax.random.key(seed)
     k_prefill, k_decode = jax.random.split(key)
 
@@ -113,8 +114,7 @@ def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: 
                              **opts)
         state = (cache, tok, lengths, jnp.zeros(b, bool), k_decode)
         for _ in range(2):  # the second call sees the first's outputs, as in the loop
-            state = decode_chunk(graphdef, params, *state, steps=chunk, eos_id=eos_id,
-                                 **opts)[:5]
+            state = decode_chunk(graphdef, params, *state, **step_opts)[:5]
         jax.block_until_ready(state)
         compile_s = time.perf_counter() - t0
 
@@ -127,7 +127,7 @@ def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: 
     blocks, n_steps = [], 0
     while n_steps < max_new_tokens:
         cache, token, pos, done, key, emitted = decode_chunk(
-            graphdef, params, cache, token, pos, done, key, steps=chunk, eos_id=eos_id, **opts)
+            graphdef, params, cache, token, pos, done, key, **step_opts)
         emitted = np.asarray(emitted)[:, :max_new_tokens - n_steps]
         n_steps += emitted.shape[1]
         blocks.append(emitted)
@@ -192,7 +192,8 @@ def generate(model, cfg: Config, prompts: list[str], *, max_new_tokens: int | No
         temperature=inf.temperature if temperature is None else temperature,
         top_k=inf.top_k if top_k is None else top_k,
         top_p=inf.top_p if top_p is None else top_p,
-        seed=seed, eos_id=tokenizer.eos_id, chunk=inf.decode_chunk, on_tokens=on_tokens)
+        seed=seed, eos_id=tokenizer.eos_id, chunk=inf.decode_chunk, on_tokens=on_tokens,
+        unroll=True if inf.unroll_layers else 1)
     texts = [tokenizer.decode(r) for r in out]
     if not return_result:
         return texts

@@ -73,8 +73,13 @@ class Decoder(nnx.Module):
             return self.embed.attend(h)
         return self.head(h).astype(jnp.float32)
 
-    def run_blocks(self, x, positions, cache: KVCache | None = None, prefill: bool = False):
-        """Scan the stacked blocks over x (B, S, d). Returns (hidden, cache)."""
+    def run_blocks(self, x, positions, cache: KVCache | None = None, prefill: bool = False,
+                   unroll: int | bool = 1):
+        """Scan the stacked blocks over x (B, S, d). Returns (hidden, cache).
+
+        `unroll` > 1 (or True) unrolls the layer loop, e.g. for single-token decoding,
+        where one fused program per step beats a loop of small kernels.
+        """
         graphdef, state = nnx.split(self.blocks)
 
         def body(carry, layer_state):
@@ -85,7 +90,7 @@ class Decoder(nnx.Module):
 
         if self.cfg.remat != "none" and cache is None:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
-        (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(0)), state)
+        (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(0)), state, unroll=unroll)
         return x, cache
 
     def __call__(self, tokens, *, return_hidden: bool = False):
@@ -97,14 +102,14 @@ class Decoder(nnx.Module):
         return (logits, h) if return_hidden else logits
 
     def forward_cached(self, tokens, cache: KVCache, start, *, prefill: bool = False,
-                       return_hidden: bool = False):
+                       return_hidden: bool = False, unroll: int | bool = 1):
         """Forward with a KV cache. tokens (B, S) sit at positions start[b] + i.
 
         Returns (logits (B, S, V), cache[, hidden]). With prefill=True every row starts at 0.
         """
         b, s = tokens.shape
         positions = start[:, None].astype(jnp.int32) + jnp.arange(s, dtype=jnp.int32)[None]
-        h, cache = self.run_blocks(self.embed(tokens), positions, cache, prefill)
+        h, cache = self.run_blocks(self.embed(tokens), positions, cache, prefill, unroll)
         logits = self.logits(h)
         return (logits, cache, h) if return_hidden else (logits, cache)
 

@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxllm.config import Config, save_config
 from jaxllm.model import build_model
+from jaxllm.model.mtp import mtp_losses
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.train import data as data_lib
 from jaxllm.train.checkpoint import Checkpointer
@@ -66,23 +67,35 @@ class TrainFns:
     eval: Callable  # (params, batch) -> loss
 
 
-def loss_fn(graphdef, params, batch):
+def loss_fn(graphdef, params, batch, mtp_weight: float = 0.0):
+    """(objective, aux). aux["loss"] is the main model's token cross-entropy; with MTP
+    modules the objective adds mtp_weight x their mean loss, and aux holds each depth's
+    loss and accuracy (mtp1_loss, mtp1_acc, ...)."""
     model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"])
-    return cross_entropy(logits, batch["targets"])
+    logits, h = model(batch["inputs"], return_hidden=True)
+    loss = cross_entropy(logits, batch["targets"])
+    aux = {"loss": loss}
+    if model.mtp is None:
+        return loss, aux
+    losses, accs = mtp_losses(model, h, batch["targets"])
+    for k in range(len(model.mtp)):
+        aux[f"mtp{k + 1}_loss"], aux[f"mtp{k + 1}_acc"] = losses[k], accs[k]
+    return loss + mtp_weight * jnp.mean(losses), aux
 
 
 def make_train_fns(cfg: Config, graphdef) -> TrainFns:
     tx = make_optimizer(cfg.train)
+    w = cfg.train.mtp_weight
 
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch))(params)
+        (_, aux), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch, w),
+                                             has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return params, opt_state, {**aux, "grad_norm": optax.tree.norm(grads)}
 
     return TrainFns(graphdef, tx, jax.jit(step, donate_argnums=(0, 1)),
-                    jax.jit(lambda p, b: loss_fn(graphdef, p, b)))
+                    jax.jit(lambda p, b: loss_fn(graphdef, p, b)[1]["loss"]))
 
 
 def init_state(cfg: Config):
@@ -265,11 +278,12 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
                         rec["eval_loss"] = eval_loss
                     logger.record(rec)
                     tick, tick_step = time.perf_counter(), step
-                if is_save or flag.stop:
+                if (is_save or flag.stop) and cfg.checkpoint.enabled:
                     ckpt.save(step, params, opt_state, force=True)
                     last_saved = step
                 if stop_at is not None and step >= stop_at and not flag.stop:
-                    ckpt.save(step, params, opt_state, force=True)
+                    if cfg.checkpoint.enabled:
+                        ckpt.save(step, params, opt_state, force=True)
                     break
                 if flag.stop:
                     interrupted = True
