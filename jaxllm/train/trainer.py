@@ -174,6 +174,9 @@ class _Logger:
         info = f"loss {rec['loss']:.4f}  {rec['tokens_per_s']:,.0f} tok/s"
         if rec.get("mfu") is not None:
             info += f"  MFU {100 * rec['mfu']:.1f}%"
+        mtp = sorted(k[:-5] for k in rec if k.startswith("mtp") and k.endswith("_loss"))
+        info += "".join(f"  {m} {rec[m + '_loss']:.3f} ({100 * rec[m + '_acc']:.0f}%)"
+                        for m in mtp)
         if "eval_loss" in rec:
             info += f"  eval {rec['eval_loss']:.4f}"
         if self.progress is not None:
@@ -273,6 +276,8 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
                     rec = {"step": step, "loss": last_loss, "lr": float(schedule(step - 1)),
                            "tokens_per_s": tps,
                            "mfu": tps * flops_per_token / peak if peak else None}
+                    rec.update({k: float(v) for k, v in jax.device_get(metrics).items()
+                                if k.startswith("mtp")})  # per-depth MTP loss / accuracy
                     if is_eval:
                         eval_loss = evaluate(fns, params, cfg, data.val, place)
                         rec["eval_loss"] = eval_loss
