@@ -32,10 +32,11 @@ class KVCache(NamedTuple):
         return self.k.shape[2]
 
 
-def cached_attention(q, k_cache, v_cache, q_positions):
+def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None):
     """Attention of new queries over a contiguous cache, masking keys after each query.
 
-    q (B, S, Hq, D); k_cache/v_cache (B, T, Hkv, D); q_positions int (B, S).
+    q (B, S, Hq, D); k_cache/v_cache (B, T, Hkv, D), key t at position t; q_positions int
+    (B, S). With a `window`, keys at positions <= query position - window are masked too.
     K/V are read once per group of query heads (no repeat). Softmax in float32.
     """
     b, s, hq, d = q.shape
@@ -43,7 +44,10 @@ def cached_attention(q, k_cache, v_cache, q_positions):
     qg = q.reshape(b, s, hkv, hq // hkv, d)
     scores = jnp.einsum("bshgd,bthd->bhgst", qg, k_cache,
                         preferred_element_type=jnp.float32) * d**-0.5
-    visible = jnp.arange(t)[None, None, :] <= q_positions[:, :, None]  # (B, S, T)
+    key_pos, q_pos = jnp.arange(t)[None, None, :], q_positions[:, :, None]
+    visible = key_pos <= q_pos  # (B, S, T)
+    if window is not None:
+        visible &= key_pos > q_pos - window
     scores = jnp.where(visible[:, None, None], scores, NEG_INF)
     p = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     o = jnp.einsum("bhgst,bthd->bshgd", p, v_cache)
@@ -52,7 +56,8 @@ def cached_attention(q, k_cache, v_cache, q_positions):
 
 class Attention(nnx.Module):
     def __init__(self, *, d_model, n_heads, n_kv_heads, head_dim, rope_theta, attention_impl,
-                 qkv_bias=False, dtype, param_dtype, rngs, std, out_std):
+                 qkv_bias=False, rope_scaling=None, sliding_window=None, dtype, param_dtype,
+                 rngs, std, out_std):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.q = Linear((d_model,), (n_heads, head_dim), ("embed", "q_heads", "head_dim"),
                         "bsd,dhk->bshk", std=std, bias=qkv_bias, **kw)
@@ -63,6 +68,14 @@ class Attention(nnx.Module):
         self.o = Linear((n_heads, head_dim), (d_model,), ("q_heads", "head_dim", "embed"),
                         "bshk,hkd->bsd", std=out_std, **kw)
         self.rope_theta, self.impl = rope_theta, attention_impl
+        self.rope_scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
+        self.window = sliding_window
+
+    def _self_attention(self, q, k, v, positions):
+        """Causal attention of the new tokens over themselves (positions 0..S-1)."""
+        if self.window is not None and self.window < q.shape[1]:  # the kernels have no window
+            return cached_attention(q, k, v, positions, self.window)
+        return flash_attention(q, k, v, causal=True, impl=self.impl)
 
     def __call__(self, x, positions, cache: KVCache | None = None, layer=None,
                  prefill: bool = False):
@@ -74,17 +87,17 @@ class Attention(nnx.Module):
           tokens alone (the flash kernel) is exact;
         - otherwise the queries attend over the cache, keys after each query masked.
         """
-        q = apply_rope(self.q(x), positions, self.rope_theta)  # (B, S, Hq, D)
-        k = apply_rope(self.k(x), positions, self.rope_theta)  # (B, S, Hkv, D)
+        q = apply_rope(self.q(x), positions, self.rope_theta, self.rope_scaling)  # (B,S,Hq,D)
+        k = apply_rope(self.k(x), positions, self.rope_theta, self.rope_scaling)  # (B,S,Hkv,D)
         v = self.v(x)
         if cache is None:
-            return self.o(flash_attention(q, k, v, causal=True, impl=self.impl)), None
+            return self.o(self._self_attention(q, k, v, positions)), None
         rows = jnp.arange(x.shape[0])[:, None]  # (B, 1)
         cache = KVCache(cache.k.at[layer, rows, positions].set(k.astype(cache.k.dtype)),
                         cache.v.at[layer, rows, positions].set(v.astype(cache.v.dtype)))
         if prefill:
-            o = flash_attention(q, k, v, causal=True, impl=self.impl)
+            o = self._self_attention(q, k, v, positions)
         else:
             o = cached_attention(q.astype(cache.k.dtype), cache.k[layer], cache.v[layer],
-                                 positions)
+                                 positions, self.window)
         return self.o(o), cache

@@ -77,14 +77,27 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float) -> jax.Array:
-    return theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # (D/2,)
+def rope_frequencies(head_dim: int, theta: float, scaling=None) -> jax.Array:
+    """Rotary inverse frequencies (D/2,). `scaling`: model.rope_scaling (a mapping or its
+    (key, value) pairs), or None."""
+    inv = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # (D/2,)
+    if not scaling:
+        return inv
+    # Llama 3.1 ("llama3"): wavelengths longer than original_len / low_freq_factor are
+    # stretched by `factor`, those shorter than original_len / high_freq_factor kept, and
+    # those between interpolated linearly in original_len / wavelength.
+    s = dict(scaling)
+    lo, hi = s["low_freq_factor"], s["high_freq_factor"]
+    wavelength = 2 * jnp.pi / inv
+    keep = jnp.clip((s["original_max_position_embeddings"] / wavelength - lo) / (hi - lo), 0, 1)
+    return (1 - keep) * inv / s["factor"] + keep * inv
 
 
-def apply_rope(x, positions, theta: float):
+def apply_rope(x, positions, theta: float, scaling=None):
     """Rotary embedding, half-split convention. x (B, S, H, D), positions int (B, S)."""
     d = x.shape[-1]
-    angles = positions[..., None].astype(jnp.float32) * rope_frequencies(d, theta)  # (B,S,D/2)
+    freqs = rope_frequencies(d, theta, scaling)
+    angles = positions[..., None].astype(jnp.float32) * freqs  # (B, S, D/2)
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
