@@ -105,7 +105,7 @@ def bench_shape(b, s, hkv, d, causal, impls, with_bwd=True):
             row["note"] = "K/V repeated to Hq before timing"
         f = jax.jit(functools.partial(fn, causal=causal, sm_scale=scale))
 
-        def loss(q, k, v, f=f):
+        def loss(q, k, v, do, f=f):  # do is an argument: a closed-over constant gets folded
             return jnp.vdot(f(q, k, v).astype(jnp.float32), do.astype(jnp.float32))
 
         g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -115,12 +115,15 @@ def bench_shape(b, s, hkv, d, causal, impls, with_bwd=True):
             t = time_fn(f, q, kk, vv)
             row["fwd_ms"], row["fwd_tflops"] = t * 1e3, flops / t / 1e12
             if with_bwd:
-                t = time_fn(g, q, kk, vv)
+                t = time_fn(g, q, kk, vv, do)
                 row["fwdbwd_ms"], row["fwdbwd_tflops"] = t * 1e3, 3.5 * flops / t / 1e12
         except Exception as e:  # keep going: one failing impl must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if os.environ.get("OUT"):  # rows survive a run cut short
+            with open(os.path.join(os.environ["OUT"], "attention.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
     return rows
 
 
@@ -204,9 +207,6 @@ def main():
             impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
         rows += bench_shape(b, s, hkv, d, causal, impls)
     print_table(rows)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "attention.json"), "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -108,18 +108,25 @@ def _floordiv_nonneg(x, m: int):
     return lax.div(jnp.maximum(x, 0), m)
 
 
+def _mm(a, b, dims):
+    # float32 inputs get full-precision (IEEE) products; Triton may otherwise use TF32.
+    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, (dims, ((), ())), precision=prec,
+                           preferred_element_type=jnp.float32)
+
+
 def _dot_nt(a, b):
     """a [m, k] @ b[n, k]^T in float32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return _mm(a, b, ((1,), (1,)))
 
 
 def _dot_tn(a, b):
     """a[k, m]^T @ b [k, n] in float32."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return _mm(a, b, ((0,), (0,)))
 
 
 def _dot(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return _mm(a, b, ((1,), (0,)))
 
 
 # ----------------------------------------------------------------------------- forward
