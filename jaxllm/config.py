@@ -378,3 +378,41 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"inference.top_p={i.top_p} must lie in (0, 1]")
     if i.decode_chunk <= 0:
         raise ConfigError(f"inference.decode_chunk={i.decode_chunk} must be positive")
+    speculative_options(cfg)  # raises on a bad inference.speculative
+
+
+SPECULATIVE_METHODS = ("none", "draft", "mtp")
+
+
+def speculative_options(cfg: Config) -> tuple[str, int, str | None]:
+    """(method, k, draft) of `inference.speculative`, checked, with defaults filled in:
+    k = 4 with a draft model, model.mtp_depth with MTP; `draft` is a run directory (or a
+    config whose train.run_dir holds checkpoints) of a model with the same vocabulary."""
+    spec = dict(cfg.inference.speculative)
+    for key in spec:
+        if key not in ("method", "k", "draft"):
+            raise ConfigError(f"unknown config key inference.speculative.{key}"
+                              + _did_you_mean(key, ("method", "k", "draft")))
+    method = spec.get("method", "none")
+    if method not in SPECULATIVE_METHODS:
+        raise ConfigError(f"inference.speculative.method={method!r} is unknown; choose one of "
+                          f"{SPECULATIVE_METHODS}")
+    depth = cfg.model.mtp_depth
+    if method == "mtp" and depth == 0:
+        raise ConfigError("inference.speculative.method='mtp' needs a model trained with MTP "
+                          "modules (model.mtp_depth >= 1); or use method 'draft'")
+    k = spec.get("k", depth if method == "mtp" else 4)
+    if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+        raise ConfigError(f"inference.speculative.k={k!r} must be a positive integer "
+                          f"(drafted tokens per step)")
+    if method == "mtp" and k > depth:
+        raise ConfigError(f"inference.speculative.k={k} exceeds model.mtp_depth={depth}: "
+                          f"the MTP modules draft at most {depth} tokens; set k <= {depth}")
+    draft = spec.get("draft")
+    if method == "draft" and not draft:
+        raise ConfigError("inference.speculative.method='draft' needs a draft model: set "
+                          "inference.speculative.draft to its run directory or config")
+    if draft is not None and not isinstance(draft, str):
+        raise ConfigError(f"inference.speculative.draft={draft!r} must be a path (a run "
+                          f"directory or a config file)")
+    return method, k, draft
