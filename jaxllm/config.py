@@ -90,7 +90,8 @@ class ParallelismConfig:
     ep: int = 1
     cp: int = 1
     tp: int = 1
-    cp_impl: str = "ring"
+    cp_impl: str = "ring"  # context-parallel attention: "ring" or "allgather"
+    sequence_parallel: bool = False  # with tp: norms and residuals split over seq on tp
 
 
 @dataclass(frozen=True)
