@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.config import Config
+from jaxllm.config import Config, speculative_options
 from jaxllm.inference.sampling import sample
 from jaxllm.model.layers import as_dtype
 
@@ -163,11 +163,14 @@ def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: 
 def generate(model, cfg: Config, prompts: list[str], *, max_new_tokens: int | None = None,
              temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, tokenizer=None,
-             stream: Callable[[str], None] | None = None, return_result: bool = False):
+             stream: Callable[[str], None] | None = None, return_result: bool = False,
+             draft_model=None):
     """Generate text for each prompt. Options default to the config's `inference` section.
 
     `stream(text)` receives text as it is produced (for a single prompt). Returns the list
-    of generated texts, or a GenerationResult with `return_result=True`.
+    of generated texts, or a GenerationResult with `return_result=True`. With
+    inference.speculative.method != none, decoding is speculative (the same distribution;
+    `draft_model` overrides the configured draft checkpoint) and the text arrives at once.
     """
     from jaxllm.tokenizer import load_tokenizer
 
@@ -186,14 +189,21 @@ def generate(model, cfg: Config, prompts: list[str], *, max_new_tokens: int | No
     if stream is not None and len(prompts) == 1:
         dec = tokenizer.stream_decoder()
         on_tokens = lambda block: stream(dec([t for t in block[0] if t >= 0]))
-    out, timings = generate_ids(
-        graphdef, params, ids,
+    options = dict(
         max_new_tokens=max_new_tokens,
         temperature=inf.temperature if temperature is None else temperature,
         top_k=inf.top_k if top_k is None else top_k,
         top_p=inf.top_p if top_p is None else top_p,
-        seed=seed, eos_id=tokenizer.eos_id, chunk=inf.decode_chunk, on_tokens=on_tokens,
+        seed=seed, eos_id=tokenizer.eos_id, on_tokens=on_tokens,
         unroll=True if inf.unroll_layers else 1)
+    method, k, _ = speculative_options(cfg)
+    if method == "none":
+        out, timings = generate_ids(graphdef, params, ids, chunk=inf.decode_chunk, **options)
+    else:  # the same distribution in fewer target forwards (inference/speculative.py)
+        from jaxllm.inference.speculative import resolve_draft, speculative_generate_ids
+        out, timings = speculative_generate_ids(graphdef, params, ids, method=method, k=k,
+                                                draft=resolve_draft(cfg, draft_model),
+                                                **options)
     texts = [tokenizer.decode(r) for r in out]
     if not return_result:
         return texts
