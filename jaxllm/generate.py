@@ -78,6 +78,12 @@ def main(argv=None) -> int:
     print(f"[TTFT {1e3 * result.ttft_s:.1f} ms, TPOT {1e3 * result.tpot_s:.2f} ms, "
           f"{result.tokens_per_s:,.0f} tokens/s over {len(prompts)} prompt(s), "
           f"compile {result.compile_s:.1f} s]", file=sys.stderr)
+    if "mean_acceptance_length" in result.stats:  # inference.speculative.method != none
+        s = result.stats
+        rates = " ".join(f"{r:.2f}" for r in s["acceptance_rate_per_position"])
+        print(f"[speculative: {s['mean_acceptance_length']:.2f} tokens per target step, "
+              f"acceptance rate {100 * s['acceptance_rate']:.1f}% (by draft position: "
+              f"{rates}), {s['decode_steps']} target steps]", file=sys.stderr)
     return 0
 
 
