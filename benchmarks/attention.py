@@ -14,6 +14,7 @@ against the float32 reference on a subset of heads.
   python benchmarks/attention.py            # every shape
   python benchmarks/attention.py --quick    # B=4 S=4096 Hq=32 Hkv=8 D=128 only
   python benchmarks/attention.py --tune     # sweep pallas_triton tiles on the headline shape
+  python benchmarks/attention.py --seqs 16384 --impls pallas_triton,cudnn   # a slice
 """
 from __future__ import annotations
 
@@ -182,6 +183,7 @@ def main():
     ap.add_argument("--tune", type=int, nargs="*", metavar="D",
                     help="sweep pallas_triton tiles for these head dims (default 128)")
     ap.add_argument("--impls", default="", help="comma-separated subset of implementations")
+    ap.add_argument("--seqs", default="1024,4096,16384", help="comma-separated sequence lengths")
     args = ap.parse_args()
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     if args.tune is not None:
@@ -198,7 +200,8 @@ def main():
     if args.quick:
         shapes = [(4, 4096, 8, 128)]
     else:
-        shapes = [(TOKENS // s, s, hkv, d) for s in (1024, 4096, 16384) for hkv in (32, 8)
+        seqs = [int(x) for x in args.seqs.split(",")]
+        shapes = [(TOKENS // s, s, hkv, d) for s in seqs for hkv in (32, 8)
                   for d in (64, 128)]
     rows = []
     for (b, s, hkv, d), causal in itertools.product(shapes, (False, True)):
