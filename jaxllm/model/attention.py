@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.kernels import flash_attention
 from jaxllm.kernels.reference import NEG_INF
 from jaxllm.model.layers import Linear, apply_rope
+from jaxllm.sharding.context import causal_attention
 
 
 class KVCache(NamedTuple):
@@ -75,7 +75,7 @@ class Attention(nnx.Module):
         """Causal attention of the new tokens over themselves (positions 0..S-1)."""
         if self.window is not None and self.window < q.shape[1]:  # the kernels have no window
             return cached_attention(q, k, v, positions, self.window)
-        return flash_attention(q, k, v, causal=True, impl=self.impl)
+        return causal_attention(q, k, v, impl=self.impl)  # context-parallel when cp > 1
 
     def __call__(self, x, positions, cache: KVCache | None = None, layer=None,
                  prefill: bool = False):

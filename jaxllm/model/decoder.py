@@ -13,6 +13,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.model.attention import Attention, KVCache
 from jaxllm.model.layers import MLP, Embed, Linear, RMSNorm, as_dtype
 from jaxllm.model.mtp import MTPHeads
+from jaxllm.sharding import context
 
 REMAT_POLICIES = {
     "full": None,  # save nothing; recompute the whole block
@@ -98,7 +99,9 @@ class Decoder(nnx.Module):
         """Training / scoring forward: causal attention over the whole sequence."""
         b, s = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        h, _ = self.run_blocks(self.embed(tokens), positions)
+        x, positions = context.balance(self.embed(tokens), positions)  # cp > 1: reorder
+        h, _ = self.run_blocks(x, positions)
+        h = context.unbalance(h)
         logits = self.logits(h)
         return (logits, h) if return_hidden else logits
 

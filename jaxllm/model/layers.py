@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.sharding.constrain import constrain
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -41,12 +43,13 @@ class Linear(nnx.Module):
         self.bias = (param(rngs, tuple(out_shape), axes[len(in_shape):], param_dtype, value=0.0)
                      if bias else None)
         self.spec, self.dtype = spec, dtype
+        self.out_axes = tuple(axes[len(in_shape):])
 
     def __call__(self, x):
         y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
-        return y
+        return constrain(y, ("batch", "seq") + self.out_axes)  # (B, S, *out_shape)
 
 
 class Embed(nnx.Module):
@@ -56,12 +59,14 @@ class Embed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, tokens):  # (B, S) -> (B, S, d)
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+        return constrain(x, ("batch", "seq", "embed"))
 
     def attend(self, x):  # tied output head: (B, S, d) -> (B, S, V) in f32
-        return jnp.einsum("bsd,vd->bsv", x.astype(self.dtype),
-                          self.embedding[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bsd,vd->bsv", x.astype(self.dtype),
+                            self.embedding[...].astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "vocab"))
 
 
 class RMSNorm(nnx.Module):
