@@ -2,24 +2,29 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean
+.PHONY: run test clean
 
-$(STAMP): pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
-	touch $(STAMP)
 
-setup: $(STAMP)
+# The package alone (for `make run`), and with the test extras (for `make test`).
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@ $(VENV)/.installed
 
 # Train the tiny config on the CPU on the embedded corpus, then generate from the result.
-run: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m jaxllm.train --config configs/tiny.yaml train.run_dir=runs/tiny
-	JAX_PLATFORMS=cpu $(PY) -m jaxllm.generate --run runs/tiny --prompt "def fibonacci(n):" --max-new-tokens 200
+run: $(VENV)/.installed
+	JAX_PLATFORMS=cpu $(PY) -m jaxllm.train --config configs/tiny.yaml --no-resume
+	JAX_PLATFORMS=cpu $(PY) -m jaxllm.generate --run runs/tiny --prompt "def fibonacci(n):" \
+		--max-new-tokens 300 --temperature 0.6
 
-test: $(STAMP)
+test: $(VENV)/.installed-test
 	JAX_PLATFORMS=cpu $(PY) -m pytest tests
 
 clean:
