@@ -20,7 +20,8 @@ $(VENV)/.installed-test: pyproject.toml | $(PY)
 
 # Train the tiny config on the CPU on the embedded corpus, then generate from the result.
 run: $(VENV)/.installed
-	JAX_PLATFORMS=cpu $(PY) -m jaxllm.train --config configs/tiny.yaml --no-resume
+	rm -rf runs/tiny
+	JAX_PLATFORMS=cpu $(PY) -m jaxllm.train --config configs/tiny.yaml
 	JAX_PLATFORMS=cpu $(PY) -m jaxllm.generate --run runs/tiny --prompt "def fibonacci(n):" \
 		--max-new-tokens 300 --temperature 0.6
 
