@@ -225,3 +225,35 @@ def test_paged_attention_over_the_cache_matches_reference():
                               impl="pallas_triton")
         want = reference.paged_attention(q, cache.k[layer], cache.v[layer], tables, lengths)
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_layer_loop_writes_and_stacked_pool_reads():
+    """A jitted scan over layers: write_layer + the kernel reading the stacked pool in place."""
+    from jaxllm.inference.kv_cache import write_layer
+    from jaxllm.kernels.pallas import paged_triton
+    cache = _cache()
+    seqs = [cache.allocate() for _ in range(2)]
+    for i, s in enumerate(seqs):
+        cache.append(s, _rand(40 + i, L, 5 + 4 * i, HKV, D), _rand(50 + i, L, 5 + 4 * i, HKV, D))
+    slots = jnp.asarray(cache.reserve(seqs, [1, 1]))
+    tables, lengths = cache.tables(seqs, width=4)
+    k_new, v_new = _rand(60, L, 2, HKV, D), _rand(61, L, 2, HKV, D)
+    q = _rand(62, L, 2, 2 * HKV, D)
+
+    @jax.jit
+    def step(k_pool, v_pool):
+        def body(pools, xs):
+            layer, kn, vn, ql = xs
+            kp, vp = write_layer(*pools, layer, kn, vn, slots)
+            o = paged_triton.paged_attention(ql, kp, vp, tables, lengths, layer=layer,
+                                             sm_scale=D**-0.5)
+            return (kp, vp), o
+        return jax.lax.scan(body, (k_pool, v_pool), (jnp.arange(L), k_new, v_new, q))
+
+    (cache.k, cache.v), out = step(cache.k, cache.v)
+    for layer in range(L):
+        want = reference.paged_attention(q[layer], cache.k[layer], cache.v[layer], tables,
+                                         lengths)
+        np.testing.assert_allclose(out[layer], want, atol=2e-5, rtol=2e-5)
+    for i, s in enumerate(seqs):
+        np.testing.assert_array_equal(cache.gather(s)[0][:, -1], k_new[:, i])

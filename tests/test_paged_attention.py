@@ -77,6 +77,22 @@ def test_table_wider_than_needed_and_garbage_entries():
     np.testing.assert_allclose(out, _ref(q, k, v, tables, lens), atol=2e-5, rtol=2e-5)
 
 
+def test_stacked_layer_pool_reads_the_named_layer():
+    q, k, v, tables, lens = _case(5, 8, 4, 2, [13, 30, 0])
+    k_stack = jnp.stack([jnp.nan_to_num(k) * 0.5, jnp.nan_to_num(k), -jnp.nan_to_num(k)])
+    v_stack = jnp.stack([jnp.nan_to_num(v) * 2.0, jnp.nan_to_num(v), jnp.nan_to_num(v) + 1])
+    for layer in (2, jnp.int32(0)):
+        out = paged_triton.paged_attention(q, k_stack, v_stack, tables, lens, layer=layer,
+                                           sm_scale=0.25)
+        want = reference.paged_attention(q, k_stack[int(layer)], v_stack[int(layer)], tables,
+                                         lens, sm_scale=0.25)
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="pass layer="):
+        paged_triton.paged_attention(q, k_stack, v_stack, tables, lens, sm_scale=0.25)
+    with pytest.raises(ValueError, match="needs k/v pages"):
+        paged_triton.paged_attention(q, k, v, tables, lens, layer=0, sm_scale=0.25)
+
+
 def test_bad_head_dim_raises():
     q, k, v, tables, lens = _case(0, 8, 2, 2, [5], d=24)
     with pytest.raises(ValueError, match="powers of two"):

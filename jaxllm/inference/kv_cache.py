@@ -13,8 +13,11 @@ again, so they stay shared. When the pool runs dry, `OutOfPagesError` is raised 
 anything changes: the caller can free or preempt sequences and retry.
 
 Host bookkeeping is `PageAllocator` (pure Python + numpy, no device work). Device work is
-in jitted pure functions (`token_slots`, `write_kv`, `copy_pages`) that a jitted decode
-step can call directly; `PagedKVCache` ties both together for eager use.
+in pure functions (`token_slots`, `write_kv`, `write_layer`, `copy_pages`) that a jitted
+decode step can call directly; `PagedKVCache` ties both together for eager use. Inside a
+scan over layers, write with `write_layer` and read with the kernel's stacked-pool form,
+`paged_triton.paged_attention(q, k_pool, v_pool, tables, lengths, layer=l, ...)`, so no
+layer slice of the pool is ever copied.
 """
 from __future__ import annotations
 
@@ -213,6 +216,26 @@ def write_kv(k_pages, v_pages, k_new, v_new, slots):
     k_new = k_new.reshape(*k_new.shape[:lead], slots.shape[0], *k_new.shape[-2:])
     v_new = v_new.reshape(*v_new.shape[:lead], slots.shape[0], *v_new.shape[-2:])
     return _write(k_pages, k_new, slots), _write(v_pages, v_new, slots)
+
+
+def write_layer(k_pool, v_pool, layer, k_new, v_new, slots):
+    """One layer's new tokens into the stacked pool, for use inside a jitted layer loop.
+
+    k_pool/v_pool [L, Hkv, P, page, D]; layer an int32 scalar (may be traced);
+    k_new/v_new [..., Hkv, D] with token axes matching `slots` (out of range: dropped).
+    Returns the updated pools (in place when the caller's buffers can be reused).
+    """
+    lyr, hkv, p, ps, d = k_pool.shape
+    slots = slots.reshape(-1)
+
+    heads = jnp.arange(hkv)[:, None]  # all-array indices: the result is [Hkv, N, D]
+    layer = jnp.asarray(layer, jnp.int32)
+
+    def one(pool, new):
+        new = new.reshape(slots.shape[0], hkv, d).transpose(1, 0, 2).astype(pool.dtype)
+        flat = pool.reshape(lyr, hkv, p * ps, d)
+        return flat.at[layer, heads, slots[None, :]].set(new, mode="drop").reshape(pool.shape)
+    return one(k_pool, k_new), one(v_pool, v_new)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))

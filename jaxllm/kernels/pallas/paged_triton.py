@@ -31,10 +31,12 @@ _NEG = -1e30  # finite "minus infinity" for masked scores and empty running maxi
 _MIN_ROWS = 16  # tl.dot wants at least 16 rows
 
 
-def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, group: int,
+def _decode_kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref,
+                   group: int, kv_heads: int,
                    page_size: int, pages_per_step: int, pages_per_split: int, n_table: int,
                    scale_log2: float, allow_tf32: bool):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv_row = layer_ref[0] * kv_heads + h  # k/v are [layers * Hkv, tokens, D]
     rows, head_dim = q_ref.shape
     block_k = pages_per_step * page_size
     row_ok = jnp.arange(rows) < group
@@ -56,10 +58,11 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref
         kv_rows = jnp.broadcast_to((page * page_size + tok % page_size)[:, None],
                                    (block_k, head_dim))
         kv_mask = jnp.broadcast_to(valid[:, None], (block_k, head_dim))
-        k = pltriton.load(k_ref.at[h, kv_rows, cols], mask=kv_mask, other=0)
-        v = pltriton.load(v_ref.at[h, kv_rows, cols], mask=kv_mask, other=0)
+        k = pltriton.load(k_ref.at[kv_row, kv_rows, cols], mask=kv_mask, other=0)
+        v = pltriton.load(v_ref.at[kv_row, kv_rows, cols], mask=kv_mask, other=0)
 
-        s = pltriton.dot(q, k, trans_b=True, allow_tf32=allow_tf32) * scale_log2  # [rows, block_k], log2 units
+        # scores [rows, block_k] in log2 units
+        s = pltriton.dot(q, k, trans_b=True, allow_tf32=allow_tf32) * scale_log2
         s = jnp.where(valid[None, :], s, _NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
         corr = jnp.exp2(m - m_new)
@@ -107,16 +110,32 @@ def merge_partials(o_parts, lse_parts):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_splits", "num_warps",
                                              "num_stages", "interpret"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: float,
-                    block_k: int | None = None, num_splits: int | None = None,
+                    layer=None, block_k: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None,
                     interpret: bool | None = None):
     """q [B, Hq, D]; k/v pages [Hkv, P, page, D]; block_tables [B, n]; lengths [B] -> [B, Hq, D].
 
+    k/v pages may also be a whole layer stack [L, Hkv, P, page, D] with `layer` in [0, L)
+    (an int or a traced int32 scalar, e.g. the index inside a scan over layers): the kernel
+    reads that layer in place, so no per-layer slice of the pool is ever copied.
     block_k: tokens per inner step (a multiple of the page size, default ~128);
     num_splits: programs per (sequence, kv head) along the context (default: fill the GPU).
     """
+    if k_pages.ndim == 5:
+        if layer is None:
+            raise ValueError(f"k/v pages of shape {k_pages.shape} are a layer stack; pass layer=")
+        n_layers = k_pages.shape[0]
+        k_pages, v_pages = (x.reshape(n_layers * x.shape[1], *x.shape[2:])
+                            for x in (k_pages, v_pages))
+        kv_heads = k_pages.shape[0] // n_layers
+    elif layer is not None:
+        raise ValueError(f"layer={layer!r} needs k/v pages [L, Hkv, P, page, D]; got "
+                         f"{k_pages.shape}")
+    else:
+        kv_heads = k_pages.shape[0]
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     batch, hq, head_dim = q.shape
-    kv_heads, num_pages, page_size, _ = k_pages.shape
+    rows_total, num_pages, page_size, _ = k_pages.shape
     n_table = block_tables.shape[1]
     group = hq // kv_heads
     if interpret is None:
@@ -145,13 +164,15 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
         num_stages = 3
 
     kernel = functools.partial(
-        _decode_kernel, group=group, page_size=page_size, pages_per_step=pages_per_step,
-        pages_per_split=pages_per_split, n_table=n_table, scale_log2=sm_scale * _LOG2E,
+        _decode_kernel, group=group, kv_heads=kv_heads, page_size=page_size,
+        pages_per_step=pages_per_step, pages_per_split=pages_per_split, n_table=n_table,
+        scale_log2=sm_scale * _LOG2E,
         allow_tf32=q.dtype != jnp.float32)  # float32 inputs get float32 products
     qg = q.reshape(batch, kv_heads, group, head_dim)
-    k_flat = k_pages.reshape(kv_heads, num_pages * page_size, head_dim)
-    v_flat = v_pages.reshape(kv_heads, num_pages * page_size, head_dim)
+    k_flat = k_pages.reshape(rows_total, num_pages * page_size, head_dim)
+    v_flat = v_pages.reshape(rows_total, num_pages * page_size, head_dim)
     in_specs = [
+        pl.no_block_spec,  # layer: a scalar
         pl.no_block_spec,  # lengths: read as a scalar per program
         pl.no_block_spec,  # block tables: gathered per step
         pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
@@ -177,7 +198,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_decode_p{page_size}_bk{block_k}_s{num_splits}",
-    )(lengths.astype(jnp.int32), block_tables.astype(jnp.int32), qg, k_flat, v_flat)
+    )(layer, lengths.astype(jnp.int32), block_tables.astype(jnp.int32), qg, k_flat, v_flat)
     if num_splits > 1:
         out = merge_partials(*out).astype(q.dtype)
     return out.reshape(batch, hq, head_dim)
