@@ -1,8 +1,8 @@
-"""python -m jaxllm.generate (--run RUN_DIR | --config CONFIG) --prompt TEXT [options]
+"""python -m jaxllm.generate (--run RUN_DIR | --config CONFIG | --hf HF_DIR) --prompt TEXT [options]
 
-Loads a trained model (a run directory, or a config whose train.run_dir holds
-checkpoints), generates from each prompt, streams the text of a single prompt as it is
-produced, and prints TTFT, TPOT and tokens/s at the end.
+Loads a trained model (a run directory, a config whose train.run_dir holds checkpoints,
+or a Hugging Face model directory), generates from each prompt, streams the text of a
+single prompt as it is produced, and prints TTFT, TPOT and tokens/s at the end.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", help="run directory (config.yaml + checkpoints/)")
     src.add_argument("--config", help="config file; its train.run_dir holds the checkpoints")
+    src.add_argument("--hf", help="Hugging Face model directory (config.json, *.safetensors, "
+                                  "tokenizer.json)")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     ap.add_argument("--prompt-file", help="a file with one prompt per line")
@@ -50,8 +52,12 @@ def main(argv=None) -> int:
 
     try:
         prompts = read_prompts(args)
-        run_dir = args.run or load_config(args.config, args.overrides).train.run_dir
-        model, cfg, step = load_model(run_dir, args.step, args.overrides)
+        if args.hf:
+            from jaxllm import hf
+            (model, cfg), run_dir, step = hf.load(args.hf, args.overrides), args.hf, "-"
+        else:
+            run_dir = args.run or load_config(args.config, args.overrides).train.run_dir
+            model, cfg, step = load_model(run_dir, args.step, args.overrides)
         if args.config:  # the given config wins for inference options
             cfg = cfg.replace(inference=load_config(args.config, args.overrides).inference)
         for name in ("temperature", "top_k", "top_p", "max_new_tokens"):

@@ -39,7 +39,11 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` through the `tokenizers` library."""
+    """A `tokenizer.json` through the `tokenizers` library.
+
+    BOS/EOS are the tokens given, else those of a `tokenizer_config.json` beside the file,
+    else the ids of a model `config.json` beside it (bos_token_id, eos_token_id).
+    """
 
     def __init__(self, path: str | Path, bos_token: str | None = None,
                  eos_token: str | None = None):
@@ -53,8 +57,11 @@ class HFTokenizer:
         self.name = str(path)
         self._tok = Tokenizer.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size()
-        self.bos_id = self._tok.token_to_id(bos_token) if bos_token else None
-        self.eos_id = self._tok.token_to_id(eos_token) if eos_token else None
+        self.bos_id, self.eos_id = _special_ids(self._tok, path.parent)
+        if bos_token:
+            self.bos_id = self._tok.token_to_id(bos_token)
+        if eos_token:
+            self.eos_id = self._tok.token_to_id(eos_token)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -80,6 +87,28 @@ class HFTokenizer:
             return out
 
         return step
+
+
+def _special_ids(tok, folder: Path) -> tuple[int | None, int | None]:
+    """(bos, eos) ids from HF's tokenizer_config.json, else config.json, in `folder`."""
+    import json
+
+    if (folder / "tokenizer_config.json").exists():
+        c = json.loads((folder / "tokenizer_config.json").read_text())
+        ids = []
+        for key in ("bos_token", "eos_token"):
+            token = c.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            ids.append(tok.token_to_id(token) if token else None)
+        if c.get("add_bos_token") is False:  # the model is not fed a BOS
+            ids[0] = None
+        return ids[0], ids[1]
+    if (folder / "config.json").exists():
+        c = json.loads((folder / "config.json").read_text())
+        first = [v[0] if isinstance(v, list) and v else v
+                 for v in (c.get("bos_token_id"), c.get("eos_token_id"))]
+        return tuple(v if isinstance(v, int) else None for v in first)
+    return None, None
 
 
 def load_tokenizer(spec: str = "byte"):
