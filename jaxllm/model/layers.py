@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.sharding.constrain import constrain
+from jaxllm.sharding.constrain import constrain, gathered
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -59,7 +59,8 @@ class Embed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, tokens):  # (B, S) -> (B, S, d)
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+        table = gathered(self.embedding[...], ("vocab", "embed"))  # FSDP: all-gather first
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         return constrain(x, ("batch", "seq", "embed"))
 
     def attend(self, x):  # tied output head: (B, S, d) -> (B, S, V) in f32

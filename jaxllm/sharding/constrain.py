@@ -63,3 +63,13 @@ def constrain(x, logical: tuple[str, ...]):
     if ctx is None:
         return x
     return jax.lax.with_sharding_constraint(x, ctx.activation_sharding(logical, x.shape))
+
+
+def gathered(w, logical: tuple[str, ...]):
+    """Parameter w as the computation uses it: split over model-parallel axes only, its
+    ZeRO / FSDP shards all-gathered. A no-op without a context."""
+    ctx = current()
+    if ctx is None:
+        return w
+    spec = ctx.rules.param_spec(logical, w.shape, "compute")
+    return jax.lax.with_sharding_constraint(w, NamedSharding(ctx.mesh, spec))

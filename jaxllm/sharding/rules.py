@@ -56,6 +56,7 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 DATA_AXES = ("batch", "seq")  # take their mesh axes after the model-parallel ones
 STATE_KINDS = {"params": 3, "grads": 2, "opt_state": 1}  # kind -> first ZeRO stage over dp
+# "compute": a parameter as the computation uses it, gathered over its ZeRO axes.
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,11 @@ class Rules:
 
     def zero_axes(self, kind: str) -> tuple[str, ...]:
         """The data-parallel mesh axes over which `kind` of model state is sharded."""
+        if kind == "compute":
+            return ()
         if kind not in STATE_KINDS:
-            raise ValueError(f"unknown model state kind {kind!r}; one of {list(STATE_KINDS)}")
+            raise ValueError(f"unknown model state kind {kind!r}; one of "
+                             f"{list(STATE_KINDS) + ['compute']}")
         axes = ("dp", "fsdp") if self.zero_stage >= STATE_KINDS[kind] else ("fsdp",)
         return tuple(a for a in axes if self.size(a) > 1)
 
@@ -88,7 +92,8 @@ class Rules:
         return tuple(free)
 
     def param_spec(self, logical, shape, kind: str = "params") -> P:
-        """PartitionSpec of a parameter-shaped array (`kind`: params, grads or opt_state)."""
+        """PartitionSpec of a parameter-shaped array (`kind`: params, grads, opt_state or
+        compute)."""
         _check_names(logical, shape)
         spec, used = [()] * len(shape), set()
         for i, name in enumerate(logical):
