@@ -1,8 +1,8 @@
 """Hugging Face checkpoints: load a model directory into jaxllm, save one `transformers` loads.
 
-    model, cfg = jaxllm.hf.load("Llama-3.2-1B")          # config.json, *.safetensors, tokenizer.json
+    model, cfg = jaxllm.hf.load("Llama-3.2-1B")   # config.json, *.safetensors, tokenizer.json
     model, cfg = jaxllm.hf.load(d, ["model.param_dtype=bfloat16", "model.dtype=bfloat16"])
-    jaxllm.hf.save(model, cfg, "out")                    # config.json, model.safetensors[, tokenizer.json]
+    jaxllm.hf.save(model, cfg, "out")             # config.json, model.safetensors, tokenizer
 
 Families: Llama (Llama 3 RoPE scaling included), Mistral (sliding window) and Qwen2 (q/k/v
 biases), with any GQA ratio. They share one weight layout (WEIGHTS below) and differ in a

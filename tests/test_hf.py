@@ -10,15 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch  # the test extra pins its CPU build
+import transformers
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-import jaxllm  # noqa: E402
-from jaxllm import hf  # noqa: E402
-from jaxllm.config import ModelConfig, load_config  # noqa: E402
-from jaxllm.inference.decode import generate_ids, inference_params  # noqa: E402
+import jaxllm
+from jaxllm import hf
+from jaxllm.config import ModelConfig, ParallelismConfig, load_config
+from jaxllm.inference.decode import generate_ids, inference_params
+from jaxllm.sharding.mesh import make_mesh
 
 V = 101
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -102,10 +104,10 @@ def test_greedy_generation_matches_transformers(case, tmp_path):
 EXPORTS = {
     "llama": ["model.n_kv_heads=2"],
     "mistral_tied_llama3": ["model.n_kv_heads=1", "model.tie_embeddings=true",
-                            "model.sliding_window=5", "model.rope_scaling.rope_type=llama3",
-                            "model.rope_scaling.factor=8.0", "model.rope_scaling.low_freq_factor=1",
-                            "model.rope_scaling.high_freq_factor=4",
-                            "model.rope_scaling.original_max_position_embeddings=32"],
+                            "model.sliding_window=5"] + [
+        f"model.rope_scaling.{k}={v}" for k, v in [
+            ("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1),
+            ("high_freq_factor", 4), ("original_max_position_embeddings", 32)]],
     "qwen2_window": ["model.n_kv_heads=2", "model.qkv_bias=true", "model.sliding_window=7"],
 }
 
@@ -145,17 +147,23 @@ def test_sharded_checkpoint_and_placement(tmp_path):
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
     one, _ = hf.load(tmp_path / "one")
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
-    shardings = jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
-                             nnx.to_pure_dict(nnx.state(one)))
-    shardings["blocks"]["mlp"]["up"]["kernel"] = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec(None, None, "x"))  # [L, d, mlp]: mlp split
+    # a given shardings tree: every parameter replicated but up (mlp split)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), nnx.to_pure_dict(nnx.state(one)))
+    shardings["blocks"]["mlp"]["up"]["kernel"] = NamedSharding(mesh, P(None, None, "x"))
     sharded, _ = hf.load(tmp_path / "sharded", shardings=shardings)
     for a, b in zip(jax.tree.leaves(nnx.state(one)), jax.tree.leaves(nnx.state(sharded))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     up = sharded.blocks.mlp.up.kernel[...]
     assert up.sharding == shardings["blocks"]["mlp"]["up"]["kernel"]
     assert up.addressable_shards[0].data.shape == (2, 64, 48)
+    # a mesh: the sharding rules place each parameter (fsdp on embed, tp on heads / mlp)
+    mesh = make_mesh(ParallelismConfig(dp=1, fsdp=2, tp=2), jax.devices()[:4])
+    placed, _ = hf.load(tmp_path / "sharded", mesh=mesh)
+    q = placed.blocks.attn.q.kernel[...]  # [L, d, Hq, D]
+    assert q.sharding.spec == P(None, "fsdp", "tp", None)
+    assert q.addressable_shards[0].data.shape == (2, 32, 2, 24)
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(one.blocks.attn.q.kernel[...]))
 
 
 @pytest.mark.parametrize("change, message", [
