@@ -58,23 +58,23 @@ def bench_train(config: str, impl: str, remat: str, batch: int, steps: int) -> d
             "mfu": mfu, "wall_s": wall}
 
 
-def bench_decode(config: str, batch: int, prompt_len: int, new_tokens: int, unroll: bool,
+def bench_decode(config: str, batch: int, prompt_len: int, new_tokens: int, unstack: bool,
                  chunk: int) -> dict:
     cfg = load_config(config)
     model = build_model(cfg.model, rngs=nnx.Rngs(0))
-    graphdef, params = inference_params(model, cfg)
+    graphdef, params = inference_params(model, cfg, unstack=unstack)
     del model
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, 256, size=(batch, prompt_len)).tolist()
     _, t = generate_ids(graphdef, params, prompts, max_new_tokens=new_tokens, temperature=0.0,
-                        eos_id=None, chunk=chunk, unroll=unroll)
+                        eos_id=None, chunk=chunk)
     m = cfg.model
     weight_bytes = 2 * (m.num_params(embeddings=False) + m.vocab_size * m.d_model)
     ctx = prompt_len + new_tokens / 2  # mean live context during decoding
     kv_bytes = 2 * m.n_layers * ctx * m.n_kv_heads * m.resolved_head_dim * 2 * batch
     bw = hbm_bandwidth()
     floor = (weight_bytes + kv_bytes) / bw if bw else float("nan")
-    return {"batch": batch, "unroll": unroll, "ttft_ms": 1e3 * t["ttft_s"],
+    return {"batch": batch, "unstack": unstack, "ttft_ms": 1e3 * t["ttft_s"],
             "tpot_ms": 1e3 * t["tpot_s"], "tokens_per_s": batch / t["tpot_s"],
             "roofline_pct": 100 * floor / t["tpot_s"], "compile_s": t["compile_s"]}
 
@@ -86,7 +86,8 @@ def main():
     ap.add_argument("--variants", default="cudnn:none:16",
                     help="comma-separated impl:remat:batch training variants ('' for none)")
     ap.add_argument("--decode-batches", default="1,32")
-    ap.add_argument("--unroll", default="0,1", help="decode layer-loop unroll settings to try")
+    ap.add_argument("--unstack", default="0,1",
+                    help="decode with stacked (0) and/or per-layer (1) weights")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=32)
@@ -102,7 +103,7 @@ def main():
         print("train", row, flush=True)
         train_rows.append(row)
     for b in filter(None, args.decode_batches.split(",")):
-        for u in args.unroll.split(","):
+        for u in args.unstack.split(","):
             row = bench_decode(args.config, int(b), args.prompt_len, args.new_tokens,
                                bool(int(u)), args.chunk)
             print("decode", row, flush=True)
@@ -117,10 +118,10 @@ def main():
         print(f"| {r['impl']}, remat {r['remat']} | {r['batch']} | {r['steps']} | "
               f"{r['loss_first']:.2f} -> {r['loss_last']:.2f} | {r['tokens_per_s']:,.0f} | "
               f"{100 * r['mfu']:.1f}% |")
-    print("\n| decode batch | unrolled | TTFT ms | TPOT ms | tokens/s | % HBM roofline |")
+    print("\n| decode batch | layers | TTFT ms | TPOT ms | tokens/s | % HBM roofline |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in decode_rows:
-        print(f"| {r['batch']} | {r['unroll']} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.3f} | "
+        print(f"| {r['batch']} | {'per-layer' if r['unstack'] else 'stacked'} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.3f} | "
               f"{r['tokens_per_s']:,.0f} | {r['roofline_pct']:.0f}% |")
 
 

@@ -141,7 +141,7 @@ class InferenceConfig:
     top_p: float = 1.0  # 1.0: off
     speculative: dict = field(default_factory=lambda: {"method": "none"})
     decode_chunk: int = 16  # tokens decoded on the device between host syncs (streaming)
-    unroll_layers: bool = False  # unroll the layer loop in decode steps (faster, longer compile)
+    unstack_layers: bool = True  # decode with per-layer weight arrays and an unrolled loop
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,16 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
-def inference_params(model, cfg: Config):
-    """(graphdef, params) with parameters cast to the compute dtype once, for decoding."""
+def inference_params(model, cfg: Config, unstack: bool | None = None):
+    """(graphdef, params) for decoding, parameters cast to the compute dtype once.
+
+    With `unstack` (default: inference.unstack_layers) every layer's weights become
+    separate arrays and the layer loop a Python loop (Decoder.unstack_layers). The
+    caller's model is left as it is.
+    """
     graphdef, state = nnx.split(model)
+    if cfg.inference.unstack_layers if unstack is None else unstack:
+        graphdef, state = nnx.split(nnx.merge(graphdef, state).unstack_layers())
     params = nnx.to_pure_dict(state)
     dtype = as_dtype(cfg.model.dtype)
     params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
@@ -194,8 +201,7 @@ def generate(model, cfg: Config, prompts: list[str], *, max_new_tokens: int | No
         temperature=inf.temperature if temperature is None else temperature,
         top_k=inf.top_k if top_k is None else top_k,
         top_p=inf.top_p if top_p is None else top_p,
-        seed=seed, eos_id=tokenizer.eos_id, on_tokens=on_tokens,
-        unroll=True if inf.unroll_layers else 1)
+        seed=seed, eos_id=tokenizer.eos_id, on_tokens=on_tokens)
     method, k, _ = speculative_options(cfg)
     if method == "none":
         out, timings = generate_ids(graphdef, params, ids, chunk=inf.decode_chunk, **options)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30  # finite, so fully masked rows give exp(-inf - -inf) problems never
+EXACT = jax.lax.Precision.HIGHEST  # true float32 products on GPUs too (no TF32)
 
 
 def causal_mask(sq: int, skv: int) -> jax.Array:
@@ -23,7 +24,7 @@ def attention_scores(q, k, sm_scale):
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, sq, hkv, hq // hkv, d).astype(jnp.float32)
-    return jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * sm_scale
+    return jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=EXACT) * sm_scale
 
 
 def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | None = None):
@@ -41,7 +42,7 @@ def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | 
     m = s.max(-1, keepdims=True)
     p = jnp.exp(s - m)
     l = p.sum(-1, keepdims=True)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / l, v.astype(jnp.float32))
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / l, v.astype(jnp.float32), precision=EXACT)
     lse = (m + jnp.log(l))[..., 0].reshape(b, hq, sq)
     return o.reshape(b, sq, hq, d).astype(q.dtype), lse
 
@@ -75,5 +76,5 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     p = jnp.exp(s - s.max(-1, keepdims=True))
     p = jnp.where(valid[:, None, None, :], p, 0.0)
     denom = jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
-    o = jnp.einsum("bhgk,bkhd->bhgd", p / denom, v.astype(jnp.float32))
+    o = jnp.einsum("bhgk,bkhd->bhgd", p / denom, v.astype(jnp.float32), precision=EXACT)
     return o.reshape(b, hq, d).astype(q.dtype)

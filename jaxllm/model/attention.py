@@ -13,36 +13,38 @@ from jaxllm.sharding.context import causal_attention
 
 
 class KVCache(NamedTuple):
-    """Contiguous cache for all layers: k, v [L, B, max_len, Hkv, D] in the compute dtype.
+    """Contiguous cache for all layers: k, v [L, B, Hkv, max_len, D] in the compute dtype.
 
-    Position p of row b lives at [:, b, p]; writes are indexed by position, so tokens
-    written past a row's true length (padding, rejected speculative drafts) are simply
-    overwritten later and never read, since attention masks keys after the query.
+    Position p of row b lives at [:, b, :, p]: each (row, head) is one contiguous
+    [max_len, D] matrix, the layout a batched matmul reads without a transpose. Writes
+    are indexed by position, so tokens written past a row's true length (padding,
+    rejected speculative drafts) are simply overwritten later and never read, since
+    attention masks keys after the query.
     """
     k: jax.Array
     v: jax.Array
 
     @classmethod
     def init(cls, n_layers, batch, max_len, n_kv_heads, head_dim, dtype) -> "KVCache":
-        shape = (n_layers, batch, max_len, n_kv_heads, head_dim)
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None):
     """Attention of new queries over a contiguous cache, masking keys after each query.
 
-    q (B, S, Hq, D); k_cache/v_cache (B, T, Hkv, D), key t at position t; q_positions int
+    q (B, S, Hq, D); k_cache/v_cache (B, Hkv, T, D), key t at position t; q_positions int
     (B, S). With a `window`, keys at positions <= query position - window are masked too.
     K/V are read once per group of query heads (no repeat). Softmax in float32.
     """
     b, s, hq, d = q.shape
-    t, hkv = k_cache.shape[1], k_cache.shape[2]
+    hkv, t = k_cache.shape[1], k_cache.shape[2]
     qg = q.reshape(b, s, hkv, hq // hkv, d)
-    scores = jnp.einsum("bshgd,bthd->bhgst", qg, k_cache,
+    scores = jnp.einsum("bshgd,bhtd->bhgst", qg, k_cache,
                         preferred_element_type=jnp.float32) * d**-0.5
     key_pos, q_pos = jnp.arange(t)[None, None, :], q_positions[:, :, None]
     visible = key_pos <= q_pos  # (B, S, T)
@@ -50,7 +52,7 @@ def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None
         visible &= key_pos > q_pos - window
     scores = jnp.where(visible[:, None, None], scores, NEG_INF)
     p = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    o = jnp.einsum("bhgst,bthd->bshgd", p, v_cache)
+    o = jnp.einsum("bhgst,bhtd->bshgd", p, v_cache)
     return o.reshape(b, s, hq, d)
 
 
@@ -74,7 +76,8 @@ class Attention(nnx.Module):
     def _self_attention(self, q, k, v, positions):
         """Causal attention of the new tokens over themselves (positions 0..S-1)."""
         if self.window is not None and self.window < q.shape[1]:  # the kernels have no window
-            return cached_attention(q, k, v, positions, self.window)
+            return cached_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), positions,
+                                    self.window)
         return causal_attention(q, k, v, impl=self.impl)  # context-parallel when cp > 1
 
     def __call__(self, x, positions, cache: KVCache | None = None, layer=None,
@@ -93,8 +96,9 @@ class Attention(nnx.Module):
         if cache is None:
             return self.o(self._self_attention(q, k, v, positions)), None
         rows = jnp.arange(x.shape[0])[:, None]  # (B, 1)
-        cache = KVCache(cache.k.at[layer, rows, positions].set(k.astype(cache.k.dtype)),
-                        cache.v.at[layer, rows, positions].set(v.astype(cache.v.dtype)))
+        # (layer, rows, :, positions) selects [B, S, Hkv, D]: k's own layout
+        cache = KVCache(cache.k.at[layer, rows, :, positions].set(k.astype(cache.k.dtype)),
+                        cache.v.at[layer, rows, :, positions].set(v.astype(cache.v.dtype)))
         if prefill:
             o = self._self_attention(q, k, v, positions)
         else:

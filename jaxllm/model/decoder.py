@@ -77,11 +77,15 @@ class Decoder(nnx.Module):
 
     def run_blocks(self, x, positions, cache: KVCache | None = None, prefill: bool = False,
                    unroll: int | bool = 1):
-        """Scan the stacked blocks over x (B, S, d). Returns (hidden, cache).
+        """Run the blocks over x (B, S, d). Returns (hidden, cache).
 
-        `unroll` > 1 (or True) unrolls the layer loop, e.g. for single-token decoding,
-        where one fused program per step beats a loop of small kernels.
+        Stacked blocks are scanned (`unroll` as in lax.scan); unstacked ones (see
+        `unstack_layers`) run in a Python loop.
         """
+        if isinstance(self.blocks, nnx.List):  # unstacked (see unstack_layers): a Python loop
+            for i, block in enumerate(self.blocks):
+                x, cache = block(x, positions, cache, i, prefill)
+            return x, cache
         graphdef, state = nnx.split(self.blocks)
 
         def body(carry, layer_state):
@@ -116,6 +120,19 @@ class Decoder(nnx.Module):
         h, cache = self.run_blocks(self.embed(tokens), positions, cache, prefill, unroll)
         logits = self.logits(h)
         return (logits, cache, h) if return_hidden else (logits, cache)
+
+    def unstack_layers(self) -> "Decoder":
+        """Replace the stacked blocks by a list of per-layer blocks, in place.
+
+        For decoding: each layer's weights become separate arrays, so a decode step reads
+        them directly instead of slicing them out of the stacked [L, ...] arrays inside
+        a loop, and the layer loop is unrolled. Training keeps the stacked, scanned form.
+        """
+        if not isinstance(self.blocks, nnx.List):
+            graphdef, state = nnx.split(self.blocks)
+            self.blocks = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+                                    for i in range(self.cfg.n_layers)])
+        return self
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         c = self.cfg

@@ -60,7 +60,9 @@ class BlockSizes:
 
 
 # Tuned on the H200 (bf16, B=4 S=4096 Hq=32 Hkv=8; benchmarks/attention.py --tune), keyed by
-# the padded head dim. Other devices use the same table.
+# the bytes of one tile row in 2-byte units: the padded head dim for bf16/f16, twice it for
+# f32, whose tiles must shrink to fit shared memory (228 KiB a block on Hopper). Other
+# devices use the same table.
 _TUNED = {
     64: BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=3,
                    block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
@@ -71,12 +73,16 @@ _TUNED = {
     256: BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2,
                     block_q_dkv=32, block_k_dkv=32, block_q_dq=32, block_k_dq=32,
                     num_warps_bwd=4, num_stages_bwd=2),
+    512: BlockSizes(block_q=32, block_k=32, num_warps=4, num_stages=2,  # f32, head dim 256
+                    block_q_dkv=16, block_k_dkv=32, block_q_dq=32, block_k_dq=16,
+                    num_warps_bwd=4, num_stages_bwd=1),
 }
 
 
-def default_block_sizes(head_dim: int) -> BlockSizes:
-    """The tuned tile sizes for a (padded, power-of-two) head dim."""
-    return _TUNED[min(_TUNED, key=lambda d: (d < head_dim, abs(d - head_dim)))]
+def default_block_sizes(head_dim: int, itemsize: int = 2) -> BlockSizes:
+    """The tuned tile sizes for a (padded, power-of-two) head dim and input item size."""
+    row = head_dim * max(itemsize, 2) // 2
+    return _TUNED[min(_TUNED, key=lambda d: (d < row, abs(d - row)))]
 
 
 def _next_pow2(x: int) -> int:
@@ -374,8 +380,8 @@ def _flash_bwd(causal, scale, bs, interpret, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _block_sizes(head_dim: int, kwargs: dict) -> BlockSizes:
-    bs = kwargs.pop("block_sizes", None) or default_block_sizes(head_dim)
+def _block_sizes(head_dim: int, itemsize: int, kwargs: dict) -> BlockSizes:
+    bs = kwargs.pop("block_sizes", None) or default_block_sizes(head_dim, itemsize)
     if not isinstance(bs, BlockSizes):
         raise ValueError(f"block_sizes must be a flash_triton.BlockSizes; got {type(bs).__name__}")
     names = {f.name for f in dataclasses.fields(BlockSizes)}
@@ -401,7 +407,7 @@ def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | 
                          f" got q{q.shape} k{k.shape} v{v.shape}")
     scale = d**-0.5 if sm_scale is None else float(sm_scale)
     d_p = max(MIN_BLOCK, _next_pow2(d))
-    bs = _block_sizes(d_p, dict(kwargs))
+    bs = _block_sizes(d_p, q.dtype.itemsize, dict(kwargs))
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if d_p != d:  # zero-padded head dims change neither scores nor the kept outputs
