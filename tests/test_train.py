@@ -11,7 +11,7 @@ from jaxllm.train import data as data_lib
 from jaxllm.train.trainer import NonFiniteLoss, train
 
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
-         "model.mlp_dim=64", "train.batch_size=4", "train.seq_len=32", "train.warmup_steps=2",
+         "model.mlp_dim=64", "train.batch_size=8", "train.seq_len=32", "train.warmup_steps=2",
          "train.progress=false", "train.eval_batches=2"]
 
 

@@ -11,14 +11,28 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True, help="YAML config file or a run directory")
     ap.add_argument("--no-resume", action="store_true",
                     help="start fresh even if the run directory holds checkpoints")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the mesh, every parameter's sharding and the compiled step's "
+                         "per-device memory, then exit without training")
+    ap.add_argument("--coordinator-address",
+                    help="multi-host: host:port of process 0 (else JAX_COORDINATOR_ADDRESS)")
+    ap.add_argument("--num-processes", type=int,
+                    help="multi-host: number of processes (else JAX_NUM_PROCESSES)")
+    ap.add_argument("--process-id", type=int,
+                    help="multi-host: this process's index (else JAX_PROCESS_ID)")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=100")
     args = ap.parse_args(argv)
 
     from jaxllm.config import ConfigError, load_config
-    from jaxllm.train.trainer import NonFiniteLoss, train
+    from jaxllm.sharding import initialize_distributed
+    from jaxllm.train.trainer import NonFiniteLoss, dry_run, train
 
     try:
         cfg = load_config(args.config, args.overrides)
+        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+        if args.dry_run:
+            print(dry_run(cfg))
+            return 0
         summary = train(cfg, resume=not args.no_resume)
     except (ConfigError, NonFiniteLoss, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -25,6 +25,8 @@ from flax import nnx
 from jaxllm.config import Config, save_config
 from jaxllm.model import build_model
 from jaxllm.model.mtp import mtp_losses
+from jaxllm.sharding import ShardingPlan
+from jaxllm.sharding.memory import describe_memory, step_memory
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.train import data as data_lib
 from jaxllm.train.checkpoint import Checkpointer
@@ -65,6 +67,7 @@ class TrainFns:
     tx: optax.GradientTransformation
     step: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics)
     eval: Callable  # (params, batch) -> loss
+    plan: ShardingPlan  # the mesh and every array's layout
 
 
 def loss_fn(graphdef, params, batch, mtp_weight: float = 0.0):
@@ -83,28 +86,44 @@ def loss_fn(graphdef, params, batch, mtp_weight: float = 0.0):
     return loss + mtp_weight * jnp.mean(losses), aux
 
 
-def make_train_fns(cfg: Config, graphdef) -> TrainFns:
+def make_train_fns(cfg: Config, graphdef, plan: ShardingPlan) -> TrainFns:
     tx = make_optimizer(cfg.train)
     w = cfg.train.mtp_weight
 
     def step(params, opt_state, batch):
         (_, aux), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch, w),
                                              has_aux=True)(params)
+        grads = plan.constrain_grads(grads)  # ZeRO-2/3: reduce-scatter, not all-reduce
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {**aux, "grad_norm": optax.tree.norm(grads)}
 
-    return TrainFns(graphdef, tx, jax.jit(step, donate_argnums=(0, 1)),
-                    jax.jit(lambda p, b: loss_fn(graphdef, p, b)[1]["loss"]))
+    return TrainFns(graphdef, tx, plan.jit_step(step, tx),
+                    plan.jit_eval(lambda p, b: loss_fn(graphdef, p, b)[1]["loss"]), plan)
 
 
-def init_state(cfg: Config):
-    """(graphdef, params, opt_state, fns) for a fresh model."""
-    model = build_model(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    fns = make_train_fns(cfg, graphdef)
-    return graphdef, params, fns.tx.init(params), fns
+def sharding_plan(cfg: Config, devices=None) -> ShardingPlan:
+    """The layout of `cfg`'s model and batches on its `parallelism:` mesh over `devices`."""
+    make_model = lambda: build_model(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
+    return ShardingPlan.create(cfg, make_model, devices)
+
+
+def init_state(cfg: Config, plan: ShardingPlan | None = None):
+    """(graphdef, params, opt_state, fns) for a fresh model, created sharded by `plan`
+    (default: the config's mesh over all devices)."""
+    plan = plan or sharding_plan(cfg)
+    params = plan.init_params()
+    fns = make_train_fns(cfg, plan.graphdef, plan)
+    return plan.graphdef, params, plan.init_opt_state(fns.tx, params), fns
+
+
+def dry_run(cfg: Config) -> str:
+    """The mesh, every parameter's layout and the compiled step's per-device memory,
+    without allocating or training anything."""
+    plan = sharding_plan(cfg)
+    fns = make_train_fns(cfg, plan.graphdef, plan)
+    return (plan.describe() + "\n"
+            + describe_memory(step_memory(fns.step, plan, fns.tx), cfg.train.zero_stage))
 
 
 class _StopFlag:
@@ -221,9 +240,9 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
         raise ValueError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but "
                          f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
     data = data_lib.load_tokens(cfg.data, tokenizer)
-    place = place_batch or (lambda b: jax.tree.map(jnp.asarray, b))
 
     graphdef, params, opt_state, fns = init_state(cfg)
+    place = place_batch or fns.plan.place_batch
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
     start = 0
     if resume and ckpt.latest_step() is not None:
@@ -233,6 +252,8 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
     logger.print(f"model: {n_params / 1e6:.2f}M parameters; data: {len(data.train):,} train / "
                  f"{len(data.val):,} val tokens; devices: {jax.device_count()} x "
                  f"{jax.devices()[0].device_kind}" + (f"; resumed at step {start}" if start else ""))
+    logger.print(fns.plan.describe().splitlines()[0] + "\n"
+                 + describe_memory(step_memory(fns.step, fns.plan, fns.tx), t.zero_stage))
 
     schedule = lr_schedule(t)
     peak = device_peak_flops()
