@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +68,10 @@ class PageAllocator:
         return int(self._refs[page])
 
     def block_tables(self, seqs, width: int | None = None) -> np.ndarray:
-        """int32 [len(seqs), width]; entries past a sequence's pages are 0 (masked by length)."""
+        """int32 [len(seqs), width]. Entries past a sequence's pages are `num_pages`, one past
+        the pool: reads there are masked by length and writes (padding) are dropped."""
         width = self.max_pages_per_seq if width is None else width
-        out = np.zeros((len(seqs), width), np.int32)
+        out = np.full((len(seqs), width), self.num_pages, np.int32)
         for i, s in enumerate(seqs):
             pages = self._pages[self._check(s)]
             if len(pages) > width:
@@ -311,3 +313,43 @@ class PagedKVCache:
             lyr, hkv, npg, ps, d = g.shape
             return g.reshape(lyr, hkv, npg * ps, d)[:, :, :n].transpose(0, 2, 1, 3)
         return one(self.k), one(self.v)
+
+
+class PagedKV(NamedTuple):
+    """A paged cache as the model's attention layers see it (the same interface as the
+    contiguous `model.attention.KVCache`): the pools [L, Hkv, P, page, D] and the block
+    tables int32 [B, max_pages] of the batch's sequences, whose pages the caller has
+    reserved (PagedKVCache.reserve) before the step.
+
+        logits, cache = model.forward_cached(tokens, PagedKV(k, v, tables), start)
+    """
+    k: jax.Array
+    v: jax.Array
+    block_tables: jax.Array
+
+    def update(self, layer, k, v, positions) -> "PagedKV":
+        """Write k/v (B, S, Hkv, D) of layer `layer` at `positions` (B, S) into their pages."""
+        slots = token_slots(self.block_tables, positions, self.k.shape[3], self.k.shape[2])
+        k_pool, v_pool = write_layer(self.k, self.v, layer, k, v, slots)
+        return PagedKV(k_pool, v_pool, self.block_tables)
+
+    def attend(self, layer, q, positions, window: int | None = None):
+        """Queries q (B, S, Hq, D) at `positions` over the cached keys of layer `layer`.
+
+        One token per row (decoding) runs the paged kernel on the pool in place; several
+        (verifying speculative drafts) gather the rows' pages and mask by position.
+        """
+        if window is not None:
+            raise ValueError("the paged cache has no sliding-window attention; use the "
+                             "contiguous KVCache for models with model.sliding_window")
+        b, s, hq, d = q.shape
+        if s == 1:
+            from jaxllm.kernels import paged_attention
+            o = paged_attention(q[:, 0].astype(self.k.dtype), self.k, self.v,
+                                self.block_tables, positions[:, 0] + 1, layer=layer)
+            return o[:, None]
+        from jaxllm.kernels.reference import gather_pages
+        from jaxllm.model.attention import cached_attention
+        k = gather_pages(self.k[layer], self.block_tables).swapaxes(1, 2)  # (B, Hkv, T, D)
+        v = gather_pages(self.v[layer], self.block_tables).swapaxes(1, 2)
+        return cached_attention(q.astype(self.k.dtype), k, v, positions)

@@ -145,16 +145,24 @@ def _paged_auto_order() -> list[str]:
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: float | None = None,
-                    impl: str = "auto", **kwargs):
+                    impl: str = "auto", layer=None, **kwargs):
     """Decode attention over a paged KV cache.
 
-    q [B, Hq, D]; k_pages/v_pages [Hkv, num_pages, page_size, D]; block_tables int32
-    [B, max_pages_per_seq]; lengths int32 [B] (0 allowed: the output row is zeros).
+    q [B, Hq, D]; k_pages/v_pages [Hkv, num_pages, page_size, D], or a layer stack
+    [L, Hkv, num_pages, page_size, D] with `layer` (an int or traced int32 scalar) naming
+    the layer to read in place; block_tables int32 [B, max_pages_per_seq]; lengths int32
+    [B] (0 allowed: the output row is zeros).
     """
-    if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"paged_attention wants q [B, Hq, D] and k/v pages [Hkv, P, page, D]; "
-                         f"got q{q.shape} k{k_pages.shape} v{v_pages.shape}")
-    if q.shape[-1] != k_pages.shape[-1] or q.shape[1] % k_pages.shape[0]:
+    stacked = k_pages.ndim == 5
+    if q.ndim != 3 or k_pages.ndim not in (4, 5) or k_pages.shape != v_pages.shape:
+        raise ValueError(f"paged_attention wants q [B, Hq, D] and k/v pages [Hkv, P, page, D] "
+                         f"(or [L, Hkv, P, page, D] with layer=); got q{q.shape} "
+                         f"k{k_pages.shape} v{v_pages.shape}")
+    if stacked != (layer is not None):
+        raise ValueError(f"layer={layer!r} goes with k/v pages of rank 5 [L, Hkv, P, page, D], "
+                         f"and only with them; got pages{k_pages.shape}")
+    hkv = k_pages.shape[-4]
+    if q.shape[-1] != k_pages.shape[-1] or q.shape[1] % hkv:
         raise ValueError(f"q{q.shape} does not fit pages{k_pages.shape}: head_dim must match "
                          f"and Hq must be a multiple of Hkv")
     if block_tables.ndim != 2 or lengths.shape != (q.shape[0],):
@@ -162,6 +170,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
                          f"{block_tables.shape} and {lengths.shape}")
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     fn = _pick(_PAGED_TABLE, impl, PAGED_IMPLS, _paged_auto_order)
+    if stacked and fn is reference.paged_attention:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
+    elif stacked:
+        kwargs["layer"] = layer
     return fn(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, **kwargs)
 
 

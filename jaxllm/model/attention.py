@@ -33,6 +33,20 @@ class KVCache(NamedTuple):
     def max_len(self) -> int:
         return self.k.shape[3]
 
+    # The cache interface the attention layer uses (PagedKV in inference/kv_cache.py too):
+
+    def update(self, layer, k, v, positions) -> "KVCache":
+        """Write k/v (B, S, Hkv, D) of layer `layer` at `positions` (B, S)."""
+        rows = jnp.arange(k.shape[0])[:, None]  # (B, 1)
+        # (layer, rows, :, positions) selects [B, S, Hkv, D]: k's own layout
+        return KVCache(self.k.at[layer, rows, :, positions].set(k.astype(self.k.dtype)),
+                       self.v.at[layer, rows, :, positions].set(v.astype(self.v.dtype)))
+
+    def attend(self, layer, q, positions, window: int | None = None):
+        """Queries q (B, S, Hq, D) at `positions` over the cached keys of layer `layer`."""
+        return cached_attention(q.astype(self.k.dtype), self.k[layer], self.v[layer],
+                                positions, window)
+
 
 def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None):
     """Attention of new queries over a contiguous cache, masking keys after each query.
@@ -95,13 +109,9 @@ class Attention(nnx.Module):
         v = self.v(x)
         if cache is None:
             return self.o(self._self_attention(q, k, v, positions)), None
-        rows = jnp.arange(x.shape[0])[:, None]  # (B, 1)
-        # (layer, rows, :, positions) selects [B, S, Hkv, D]: k's own layout
-        cache = KVCache(cache.k.at[layer, rows, :, positions].set(k.astype(cache.k.dtype)),
-                        cache.v.at[layer, rows, :, positions].set(v.astype(cache.v.dtype)))
+        cache = cache.update(layer, k, v, positions)
         if prefill:
             o = self._self_attention(q, k, v, positions)
         else:
-            o = cached_attention(q.astype(cache.k.dtype), cache.k[layer], cache.v[layer],
-                                 positions, self.window)
+            o = cache.attend(layer, q, positions, self.window)
         return self.o(o), cache
