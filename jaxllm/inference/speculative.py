@@ -67,7 +67,7 @@ def verify(draft_tokens, draft_probs, target_probs, key):
 # -- drafters -------------------------------------------------------------------------
 
 
-def draft_with_model(draft, cache, prev, token, pos, key, k, opts, unroll=1):
+def draft_with_model(draft, cache, prev, token, pos, key, k, opts):
     """k autoregressive steps of the draft model from the pending `token` at `pos`.
 
     The first step also re-reads `prev`, the token at pos - 1: when the last step accepted
@@ -77,7 +77,7 @@ def draft_with_model(draft, cache, prev, token, pos, key, k, opts, unroll=1):
     x, start = jnp.stack([prev, token], axis=1), pos - 1
     drafts, probs = [], []
     for i in range(k):
-        logits, cache = draft.forward_cached(x, cache, start, unroll=unroll)
+        logits, cache = draft.forward_cached(x, cache, start)
         key, sub = jax.random.split(key)
         drafts.append(sample(logits[:, -1], sub, **opts))
         probs.append(probabilities(logits[:, -1], **opts))
@@ -131,12 +131,12 @@ class SpecState(NamedTuple):
 
 
 _STATIC = ("graphdef", "draft_graphdef", "method", "k", "cache_len", "out_len", "temperature",
-           "top_k", "top_p", "unroll")
+           "top_k", "top_p")
 
 
 @partial(jax.jit, static_argnames=_STATIC)
 def spec_prefill(graphdef, params, draft_graphdef, draft_params, tokens, lengths, key, *,
-                 method, k, cache_len, out_len, temperature, top_k, top_p, unroll):
+                 method, k, cache_len, out_len, temperature, top_k, top_p):
     """Prompts (B, P) right-padded, lengths (B,) -> the loop's initial SpecState."""
     opts = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     model = nnx.merge(graphdef, params)
@@ -166,7 +166,7 @@ def spec_prefill(graphdef, params, draft_graphdef, draft_params, tokens, lengths
 
 @partial(jax.jit, static_argnames=_STATIC + ("eos_id",), donate_argnames=("state",))
 def spec_loop(graphdef, params, draft_graphdef, draft_params, state, limit, *, method, k,
-              cache_len, out_len, temperature, top_k, top_p, unroll, eos_id):
+              cache_len, out_len, temperature, top_k, top_p, eos_id):
     """Speculative steps until every row has `limit` tokens or has emitted EOS."""
     opts = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     model = nnx.merge(graphdef, params)
@@ -179,13 +179,12 @@ def spec_loop(graphdef, params, draft_graphdef, draft_params, state, limit, *, m
         # 1. Drafts d_1..d_k and the distributions q they were drawn from.
         if method == "draft":
             drafts, q, draft_cache = draft_with_model(draft, s.draft_cache, s.prev, s.token,
-                                                      s.pos, k_draft, k, opts, unroll)
+                                                      s.pos, k_draft, k, opts)
         else:  # drafted at the end of the previous step
             drafts, q, draft_cache = s.drafts, s.draft_probs, s.draft_cache
         # 2. The target scores [t, d_1..d_k] at pos..pos+k in one forward; verify.
         x = jnp.concatenate([s.token[:, None], drafts], axis=1)  # (B, k+1)
-        logits, cache, h = model.forward_cached(x, s.cache, s.pos, return_hidden=True,
-                                                unroll=unroll)
+        logits, cache, h = model.forward_cached(x, s.cache, s.pos, return_hidden=True)
         tokens, n = verify(drafts, q, probabilities(logits, **opts), k_verify)
         # 3. MTP: draft the next step's tokens from the target's hidden states.
         if method == "mtp":
@@ -245,7 +244,7 @@ def speculative_generate_ids(graphdef, params, prompts: list[list[int]], *, meth
                              temperature: float, top_k: int = 0, top_p: float = 1.0,
                              seed: int = 0, eos_id: int | None = None,
                              on_tokens: Callable[[np.ndarray], None] | None = None,
-                             warmup: bool = True, unroll: int | bool = 1):
+                             warmup: bool = True):
     """Speculative decoding with the interface of `decode.generate_ids`.
 
     method "draft" takes `draft=(graphdef, params)` of a model with the same vocabulary;
@@ -275,7 +274,7 @@ def speculative_generate_ids(graphdef, params, prompts: list[list[int]], *, meth
     draft_graphdef, draft_params = draft if method == "draft" else (None, None)
     static = dict(method=method, k=k, cache_len=_round_up(plen + max_new_tokens + k + 1, 64),
                   out_len=max_new_tokens + k + 1, temperature=float(temperature),
-                  top_k=int(top_k), top_p=float(top_p), unroll=unroll)
+                  top_k=int(top_k), top_p=float(top_p))
     key = jax.random.key(seed)
     args = (graphdef, params, draft_graphdef, draft_params)
 
