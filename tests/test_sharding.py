@@ -1,0 +1,244 @@
+"""Sharding: mesh, rules, context-parallel attention, and every layout vs one device.
+
+The layouts train in one worker process (tests/sharding_worker.py; 8 simulated CPU
+devices, XLA backend optimisation off for 3x faster compiles) and multi-host runs as two
+such processes of 4 devices each over gloo; the tests here compare their results.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import sharding_worker as worker
+from jaxllm.config import ConfigError, ParallelismConfig, load_config
+from jaxllm.sharding import Rules, constrain, make_mesh, mesh_shape
+from jaxllm.sharding.constrain import ShardingContext, active
+from jaxllm.sharding.mesh import AXES, _host_split
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(worker.__file__)
+
+
+def _env(devices: int) -> dict:
+    flags = (f"--xla_force_host_platform_device_count={devices} "
+             "--xla_backend_optimization_level=0")
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def test_mesh_shape_fills_and_checks():
+    p = ParallelismConfig(dp=-1, fsdp=2, tp=2)
+    assert mesh_shape(p, 8) == {"pp": 1, "dp": 2, "fsdp": 2, "ep": 1, "cp": 1, "tp": 2}
+    with pytest.raises(ConfigError, match=r"needs 6 devices but 8 are present"):
+        mesh_shape(ParallelismConfig(dp=3, tp=2), 8)
+    with pytest.raises(ConfigError, match=r"take 3 devices.*8 devices present"):
+        mesh_shape(ParallelismConfig(dp=-1, tp=3), 8)
+
+
+def test_make_mesh_axes_are_auto():
+    mesh = make_mesh(ParallelismConfig(dp=2, cp=2, tp=2))
+    assert mesh.axis_names == AXES
+    assert dict(mesh.shape) == {"pp": 1, "dp": 2, "fsdp": 1, "ep": 1, "cp": 2, "tp": 2}
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+    assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
+
+
+def test_host_split_keeps_inner_axes_in_a_host():
+    sizes = {"pp": 1, "dp": 2, "fsdp": 4, "ep": 1, "cp": 1, "tp": 2}
+    assert _host_split(sizes, 4) == {"pp": 1, "dp": 2, "fsdp": 2, "ep": 1, "cp": 1, "tp": 1}
+    only_cp = {"pp": 1, "dp": 1, "fsdp": 1, "ep": 1, "cp": 8, "tp": 1}
+    assert _host_split(only_cp, 2)["cp"] == 2  # no outer axis left: cp spans hosts
+    with pytest.raises(ConfigError, match="cannot spread"):
+        _host_split({**only_cp, "cp": 4, "tp": 2}, 3)
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def _rules(stage=0, sp=False, **sizes):
+    full = {a: sizes.get(a, 1) for a in AXES}
+    return Rules(tuple(full.items()), stage, sp)
+
+
+def test_param_specs_by_zero_stage():
+    q = (("layers", "embed", "q_heads", "head_dim"), (2, 32, 4, 8))
+    r0, r1, r2, r3 = (_rules(s, dp=2, fsdp=2, tp=2) for s in range(4))
+    assert r0.param_spec(*q) == P(None, "fsdp", "tp", None)
+    assert r3.param_spec(*q) == P(None, ("dp", "fsdp"), "tp", None)
+    assert r1.param_spec(*q, kind="opt_state") == P(None, ("dp", "fsdp"), "tp", None)
+    assert r1.param_spec(*q, kind="grads") == P(None, "fsdp", "tp", None)
+    assert r2.param_spec(*q, kind="grads") == P(None, ("dp", "fsdp"), "tp", None)
+    assert r3.param_spec(*q, kind="compute") == P(None, None, "tp", None)
+    # vocab-parallel embedding; one KV head cannot be split over tp=2 and stays whole
+    assert r0.param_spec(("vocab", "embed"), (258, 32)) == P("tp", "fsdp")
+    assert r0.param_spec(("embed", "kv_heads", "head_dim"), (32, 1, 8)) == P("fsdp", None, None)
+    # no embed axis: ZeRO takes the largest divisible dimension that is not `layers`
+    assert r3.param_spec(("layers", None, "latent"), (4, 6, 64)) == P(None, None, ("dp", "fsdp"))
+
+
+def test_activation_specs_and_sequence_parallel():
+    r = _rules(dp=2, fsdp=2, cp=2)
+    assert r.activation_spec(("batch", "seq", "embed"), (8, 16, 32)) == P(("dp", "fsdp"), "cp",
+                                                                          None)
+    sp = _rules(sp=True, dp=4, tp=2)
+    assert sp.activation_spec(("batch", "seq", "embed"), (8, 16, 32)) == P("dp", "tp", None)
+    # heads claim tp first, so q/k/v keep their sequence whole on tp
+    assert sp.activation_spec(("batch", "seq", "q_heads", "head_dim"),
+                              (8, 16, 4, 8)) == P("dp", None, "tp", None)
+    assert sp.activation_spec(("batch", "seq", "vocab"), (8, 16, 258)) == P("dp", None, "tp")
+    with pytest.raises(ValueError, match="unknown logical axes.*'hidden'"):
+        r.activation_spec(("batch", "hidden"), (8, 4))
+
+
+def test_plan_rejects_bad_layouts():
+    from jaxllm.train.trainer import sharding_plan
+    small = worker.SMALL
+    with pytest.raises(ConfigError, match="batch_size=4 is not divisible.*= 8"):
+        sharding_plan(load_config(None, small + ["train.batch_size=4"]))
+    with pytest.raises(ConfigError, match="pipeline parallelism"):
+        sharding_plan(load_config(None, small + ["parallelism.pp=2", "parallelism.dp=4"]))
+    with pytest.raises(ValueError, match="divisible by 2 x cp = 8"):
+        sharding_plan(load_config(None, small + ["parallelism.cp=4", "parallelism.dp=2",
+                                                 "train.seq_len=12"]))
+
+
+def test_constrain_is_a_noop_without_context():
+    x = jnp.ones((2, 4, 8))
+    assert constrain(x, ("batch", "seq", "embed")) is x
+
+
+# ----------------------------------------------------------------- context parallelism
+
+
+@pytest.mark.parametrize("impl,balanced", [("ring", False), ("allgather", True)])
+def test_context_parallel_attention_matches_reference(impl, balanced):
+    """cp=4 x tp=2 with one KV head (repeated for tp): forward and gradients."""
+    from jaxllm.kernels.reference import flash_attention
+    from jaxllm.sharding import context
+
+    mesh = make_mesh(ParallelismConfig(dp=1, cp=4, tp=2))
+    ctx = ShardingContext(mesh, Rules.for_mesh(mesh), impl)
+    kq, kk, kv, ko = jax.random.split(jax.random.key(1), 4)
+    b, s, hq, hkv, d = 2, 32, 4, 1, 16
+    q = jax.random.normal(kq, (b, s, hq, d))
+    k, v = jax.random.normal(kk, (b, s, hkv, d)), jax.random.normal(kv, (b, s, hkv, d))
+    w = jax.random.normal(ko, (b, s, hq, d))
+    order = context.balanced_order(s, 4)
+
+    def sharded(q, k, v):
+        with active(ctx):
+            if balanced:
+                ctx.balanced = True
+                q, k, v = (jnp.take(x, order, axis=1) for x in (q, k, v))
+            o = context.causal_attention(q, k, v, impl="reference")
+            ctx.balanced = False
+        o = jnp.take(o, jnp.argsort(order), axis=1) if balanced else o
+        return jnp.sum(o * w)
+
+    ref = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True) * w)
+    val, grads = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2)))(q, k, v)
+    val_r, grads_r = jax.value_and_grad(ref, argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(val, val_r, rtol=1e-5)
+    for g, gr in zip(grads, grads_r):
+        np.testing.assert_allclose(g, gr, atol=2e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------- layouts vs one device
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharding")
+    r = subprocess.run([sys.executable, str(WORKER), "all", str(out)], env=_env(8), cwd=ROOT,
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out, json.loads((out / "results.json").read_text())
+
+
+def _assert_same_training(results, out, name, npz):
+    base, got = results["single"], results[name]
+    assert "error" not in got, got["error"]
+    np.testing.assert_allclose(got["losses"], base["losses"], rtol=2e-6)
+    np.testing.assert_allclose(got["grad_norms"], base["grad_norms"], rtol=1e-5)
+    want, have = np.load(out / "single.npz"), np.load(npz)
+    assert set(want) == set(have)
+    for key in want:  # params and Adam moments (linear in the gradients) after the steps
+        scale = np.abs(want[key]).max() + 1e-30
+        np.testing.assert_allclose(have[key] / scale, want[key] / scale, atol=2e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("name", list(worker.LAYOUTS))
+def test_layout_trains_like_one_device(trained, name):
+    out, results = trained
+    _assert_same_training(results, out, name, out / f"{name}.npz")
+
+
+def test_sharded_init_equals_single_device_init(trained):
+    assert trained[1]["sharded_init_max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("model", ["tiny", "larger"])
+def test_zero_memory_follows_formula(trained, model):
+    """Per device, params + Adam bytes in the compiled step's arguments match the formula
+    (f32: 4 + 8 bytes per parameter, the Adam part / N from stage 1, params / N at 3)."""
+    mem = trained[1]["memory"]
+    stages = [mem[f"{model}_zero{s}"] for s in range(4)]
+    for s, m in enumerate(stages):
+        assert "error" not in m, m["error"]
+        formula = m["formula_params"] + m["formula_opt_state"]
+        assert abs(m["states"] / formula - 1) < 0.10, (s, m)
+    psi, n = stages[0]["n_params"], 8
+    expect = [12 * psi, 4 * psi + 8 * psi / n, 4 * psi + 8 * psi / n, 12 * psi / n]
+    for s, (m, e) in enumerate(zip(stages, expect)):
+        assert abs(m["formula_params"] + m["formula_opt_state"] - e) < 0.01 * e, s
+    if model == "larger":  # where gradients, not activations, dominate the temporaries
+        # ZeRO-2 reduce-scatters the gradients: its temporaries shrink by at least half
+        # the gradient bytes it saves over ZeRO-1.
+        saved = stages[1]["formula_grads"] - stages[2]["formula_grads"]
+        assert stages[1]["temp"] - stages[2]["temp"] > 0.5 * saved
+
+
+def test_two_hosts_train_like_one_device(trained, tmp_path):
+    out, results = trained
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "multihost", str(tmp_path), str(pid),
+                               str(port)], env=_env(4), cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-4000:]
+    got = json.loads((tmp_path / "multihost.json").read_text())
+    hosts = np.array(got["hosts"])  # mesh-shaped process indices: tp pairs share a host
+    assert hosts.shape == (1, 2, 2, 1, 1, 2) and (hosts[..., 0] == hosts[..., 1]).all()
+    assert set(hosts.flat) == {0, 1}
+    _assert_same_training({**results, "multihost": got}, out, "multihost",
+                          tmp_path / "multihost.npz")
+
+
+def test_dry_run_prints_layouts_and_memory():
+    r = subprocess.run([sys.executable, "-m", "jaxllm.train", "--config", "configs/tiny.yaml",
+                        "--dry-run", "parallelism.dp=2", "parallelism.fsdp=2", "parallelism.tp=2",
+                        "train.zero_stage=1", "train.batch_size=8"],
+                       env=_env(8), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "mesh pp=1 x dp=2 x fsdp=2 x ep=1 x cp=1 x tp=2 (8 x cpu); ZeRO stage 1" in out
+    q = next(line for line in out.splitlines() if line.startswith("blocks.attn.q.kernel"))
+    assert "(-, fsdp, tp, -)" in q and "(4, 64, 2, 32)" in q and "(-, dp+fsdp, tp, -)" in q
+    ratio = float(out.split("ratio ")[1].split(")")[0])
+    assert abs(ratio - 1) < 0.10
