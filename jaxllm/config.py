@@ -113,6 +113,7 @@ class TrainConfig:
     seed: int = 0
     zero_stage: int = 0
     mtp_weight: float = 0.3
+    distill_from: str | None = None  # a run directory: KL(its logits || ours) replaces CE
     progress: bool = True  # rich progress bar
 
 

@@ -29,7 +29,7 @@ from jaxllm.sharding import ShardingPlan
 from jaxllm.sharding.memory import describe_memory, step_memory
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.train import data as data_lib
-from jaxllm.train.checkpoint import Checkpointer
+from jaxllm.train.checkpoint import Checkpointer, load_model
 from jaxllm.train.optim import lr_schedule, make_optimizer
 
 # Dense bf16 peak FLOP/s by device kind (datasheet figures, without sparsity).
@@ -61,6 +61,27 @@ def cross_entropy(logits, targets):
     return jnp.mean(lse - picked)
 
 
+def kl_divergence(teacher_logits, logits):
+    """Mean over tokens of KL(softmax(teacher) || softmax(logits)) in float32 (nats)."""
+    t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
+    s = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.mean(jnp.sum(jnp.exp(t) * (t - s), axis=-1))
+
+
+def teacher_fn(cfg: Config, plan: ShardingPlan) -> Callable:
+    """batch -> the batch plus "teacher_logits" [B, S, V] of the model checkpointed at
+    train.distill_from (a run directory; the vocabularies must match)."""
+    teacher, tcfg, _ = load_model(cfg.train.distill_from)
+    if tcfg.model.vocab_size != cfg.model.vocab_size:
+        raise ValueError(f"train.distill_from={cfg.train.distill_from!r} has vocab_size="
+                         f"{tcfg.model.vocab_size}, but model.vocab_size="
+                         f"{cfg.model.vocab_size}; distillation needs the same vocabulary")
+    graphdef, state = nnx.split(teacher)
+    params = jax.device_put(nnx.to_pure_dict(state), plan.replicated)
+    forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
+    return lambda batch: {**batch, "teacher_logits": forward(params, batch["inputs"])}
+
+
 @dataclass
 class TrainFns:
     graphdef: nnx.GraphDef
@@ -76,14 +97,16 @@ def loss_fn(graphdef, params, batch, mtp_weight: float = 0.0):
     loss and accuracy (mtp1_loss, mtp1_acc, ...)."""
     model = nnx.merge(graphdef, params)
     logits, h = model(batch["inputs"], return_hidden=True)
-    loss = cross_entropy(logits, batch["targets"])
+    loss = objective = cross_entropy(logits, batch["targets"])
     aux = {"loss": loss}
+    if "teacher_logits" in batch:  # distillation (train.distill_from): the KL replaces CE
+        aux["distill_kl"] = objective = kl_divergence(batch["teacher_logits"], logits)
     if model.mtp is None:
-        return loss, aux
+        return objective, aux
     losses, accs = mtp_losses(model, h, batch["targets"])
     for k in range(len(model.mtp)):
         aux[f"mtp{k + 1}_loss"], aux[f"mtp{k + 1}_acc"] = losses[k], accs[k]
-    return loss + mtp_weight * jnp.mean(losses), aux
+    return objective + mtp_weight * jnp.mean(losses), aux
 
 
 def make_train_fns(cfg: Config, graphdef, plan: ShardingPlan) -> TrainFns:
@@ -196,6 +219,8 @@ class _Logger:
         mtp = sorted(k[:-5] for k in rec if k.startswith("mtp") and k.endswith("_loss"))
         info += "".join(f"  {m} {rec[m + '_loss']:.3f} ({100 * rec[m + '_acc']:.0f}%)"
                         for m in mtp)
+        if "distill_kl" in rec:
+            info += f"  KL(teacher||model) {rec['distill_kl']:.4f}"
         if "eval_loss" in rec:
             info += f"  eval {rec['eval_loss']:.4f}"
         if self.progress is not None:
@@ -243,6 +268,8 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
 
     graphdef, params, opt_state, fns = init_state(cfg)
     place = place_batch or fns.plan.place_batch
+    if t.distill_from:  # the teacher's logits ride along with every batch
+        place = (lambda put, teach: lambda b: teach(put(b)))(place, teacher_fn(cfg, fns.plan))
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
     start = 0
     if resume and ckpt.latest_step() is not None:
@@ -298,7 +325,7 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
                            "tokens_per_s": tps,
                            "mfu": tps * flops_per_token / peak if peak else None}
                     rec.update({k: float(v) for k, v in jax.device_get(metrics).items()
-                                if k.startswith("mtp")})  # per-depth MTP loss / accuracy
+                                if k.startswith(("mtp", "distill"))})  # MTP, distillation
                     if is_eval:
                         eval_loss = evaluate(fns, params, cfg, data.val, place)
                         rec["eval_loss"] = eval_loss
