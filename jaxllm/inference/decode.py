@@ -65,9 +65,9 @@ def prefill(graphdef, params, tokens, lengths, key, *, cache_len, temperature, t
 
 
 @partial(jax.jit, static_argnames=("graphdef", "steps", "temperature", "top_k", "top_p",
-                                   "eos_id", "unroll"), donate_argnames=("cache",))
+                                   "eos_id"), donate_argnames=("cache",))
 def decode_chunk(graphdef, params, cache, token, pos, done, key, *, steps, temperature, top_k,
-                 top_p, eos_id, unroll=1):
+                 top_p, eos_id):
     """`steps` decode steps on the device. token (B,) sits at pos (B,).
 
     Returns (cache, next token, next pos, done, key, emitted (B, steps)); rows already
@@ -78,7 +78,7 @@ def decode_chunk(graphdef, params, cache, token, pos, done, key, *, steps, tempe
     def step(carry, _):
         cache, token, pos, done, key = carry
         key, sub = jax.random.split(key)
-        logits, cache = model.forward_cached(token[:, None], cache, pos, unroll=unroll)
+        logits, cache = model.forward_cached(token[:, None], cache, pos)
         nxt = sample(logits[:, 0], sub, temperature, top_k, top_p)
         emitted = jnp.where(done, -1, token)
         done = done | (token == eos_id) if eos_id is not None else done
@@ -93,7 +93,7 @@ def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: 
                  temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  eos_id: int | None = None, chunk: int = 16,
                  on_tokens: Callable[[np.ndarray], None] | None = None,
-                 warmup: bool = True, unroll: int | bool = 1) -> tuple[list[list[int]], dict]:
+                 warmup: bool = True) -> tuple[list[list[int]], dict]:
     """Generate up to `max_new_tokens` ids per prompt. Returns (ids per prompt, timings).
 
     `on_tokens(ids (B, n))` is called with every newly generated block (-1 after a row's
@@ -110,7 +110,7 @@ def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: 
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     tokens = jnp.asarray(tokens)
     opts = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
-    step_opts = dict(opts, eos_id=eos_id, steps=chunk, unroll=unroll)
+    step_opts = dict(opts, eos_id=eos_id, steps=chunk)
     key = jax.random.key(seed)
     k_prefill, k_decode = jax.random.split(key)
 

@@ -75,12 +75,11 @@ class Decoder(nnx.Module):
             return self.embed.attend(h)
         return self.head(h).astype(jnp.float32)
 
-    def run_blocks(self, x, positions, cache: KVCache | None = None, prefill: bool = False,
-                   unroll: int | bool = 1):
+    def run_blocks(self, x, positions, cache: KVCache | None = None, prefill: bool = False):
         """Run the blocks over x (B, S, d). Returns (hidden, cache).
 
-        Stacked blocks are scanned (`unroll` as in lax.scan); unstacked ones (see
-        `unstack_layers`) run in a Python loop.
+        Stacked blocks are scanned; unstacked ones (see `unstack_layers`) run in a Python
+        loop.
         """
         if isinstance(self.blocks, nnx.List):  # unstacked (see unstack_layers): a Python loop
             for i, block in enumerate(self.blocks):
@@ -96,7 +95,7 @@ class Decoder(nnx.Module):
 
         if self.cfg.remat != "none" and cache is None:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
-        (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(0)), state, unroll=unroll)
+        (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(0)), state)
         return x, cache
 
     def __call__(self, tokens, *, return_hidden: bool = False):
@@ -110,14 +109,14 @@ class Decoder(nnx.Module):
         return (logits, h) if return_hidden else logits
 
     def forward_cached(self, tokens, cache: KVCache, start, *, prefill: bool = False,
-                       return_hidden: bool = False, unroll: int | bool = 1):
+                       return_hidden: bool = False):
         """Forward with a KV cache. tokens (B, S) sit at positions start[b] + i.
 
         Returns (logits (B, S, V), cache[, hidden]). With prefill=True every row starts at 0.
         """
         b, s = tokens.shape
         positions = start[:, None].astype(jnp.int32) + jnp.arange(s, dtype=jnp.int32)[None]
-        h, cache = self.run_blocks(self.embed(tokens), positions, cache, prefill, unroll)
+        h, cache = self.run_blocks(self.embed(tokens), positions, cache, prefill)
         logits = self.logits(h)
         return (logits, cache, h) if return_hidden else (logits, cache)
 
