@@ -72,14 +72,23 @@ def corpus(tmp_path_factory):
     return root
 
 
-def test_training_lowers_mtp_loss_and_heads_draft(corpus, tmp_path):
-    run = tmp_path / "run"
+def _train(tmp, corpus, *overrides):
     cfg = load_config(None, SMALL + [
-        "model.mtp_depth=1", "train.steps=40", "train.lr=1e-2", "train.log_every=10",
-        "train.eval_every=40", "checkpoint.every=40", f"data.source={corpus}", f"data.cache_dir={tmp_path / 'c'}",
-        f"train.run_dir={run}", "data.val_fraction=0.2"])
+        "train.lr=1e-2", "train.log_every=10", f"data.source={corpus}",
+        f"data.cache_dir={tmp / 'c'}", f"train.run_dir={tmp / 'run'}", "data.val_fraction=0.2",
+        *overrides])
     train(cfg)
-    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    return tmp / "run", [json.loads(line) for line in open(tmp / "run" / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def mtp_run(corpus, tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("mtp"), corpus, "model.mtp_depth=1",
+                  "train.steps=40", "train.eval_every=40", "checkpoint.every=40")
+
+
+def test_training_lowers_mtp_loss_and_heads_draft(mtp_run):
+    run, records = mtp_run
     assert {"mtp1_loss", "mtp1_acc"} <= set(records[-1])
     assert records[-1]["mtp1_loss"] < records[0]["mtp1_loss"] - 1.0
     assert records[-1]["mtp1_acc"] > records[0]["mtp1_acc"]
@@ -93,3 +102,13 @@ def test_training_lowers_mtp_loss_and_heads_draft(corpus, tmp_path):
                                           max_new_tokens=24, temperature=0, warmup=False)
     assert ids == plain
     assert stats["acceptance_rate"] > 0.2  # the trained head predicts t+2 often
+
+
+def test_distillation_from_a_run(mtp_run, corpus, tmp_path):
+    """A 1-layer draft distilled from the trained model: KL(teacher || draft) falls."""
+    _, records = _train(tmp_path, corpus, "model.n_layers=1", f"train.distill_from={mtp_run[0]}",
+                        "train.steps=20", "train.log_every=5", "train.eval_every=20",
+                        "checkpoint.enabled=false")
+    assert {"distill_kl", "loss"} <= set(records[-1])
+    assert records[-1]["distill_kl"] < 0.5 * records[0]["distill_kl"]
+    assert records[-1]["loss"] < records[0]["loss"]  # the CE follows the teacher's
