@@ -28,7 +28,8 @@ LAYOUTS = {
     "zero2_dp8": ["parallelism.dp=8", "train.zero_stage=2"],
     "zero3_dp8": ["parallelism.dp=8", "train.zero_stage=3"],
     "tp2_fsdp4": ["parallelism.dp=1", "parallelism.fsdp=4", "parallelism.tp=2"],
-    "tp2_dp4_seqpar": ["parallelism.dp=4", "parallelism.tp=2", "parallelism.sequence_parallel=true"],
+    "tp2_dp4_seqpar": ["parallelism.dp=4", "parallelism.tp=2",
+                       "parallelism.sequence_parallel=true"],
     "cp4_fsdp2_ring": ["parallelism.dp=1", "parallelism.fsdp=2", "parallelism.cp=4"],
     "cp4_fsdp2_allgather": ["parallelism.dp=1", "parallelism.fsdp=2", "parallelism.cp=4",
                             "parallelism.cp_impl=allgather"],
@@ -95,7 +96,7 @@ def run_all(out: Path):
     from jaxllm.config import load_config
     from jaxllm.train.trainer import sharding_plan
 
-    results = {"memory": {}}
+    results = {"memory": {}, "cp_attention": cp_attention_errors()}
     host_init = jax.device_get(sharding_plan(load_config(None, SMALL), jax.devices()[:1])
                                .init_params())
     for name, overrides in [("single", ["parallelism.dp=1"])] + list(LAYOUTS.items()):
@@ -126,6 +127,36 @@ def run_all(out: Path):
         except Exception:
             results["memory"][f"larger_zero{stage}"] = {"error": traceback.format_exc()}
     (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def cp_attention_errors() -> dict:
+    """Ring attention in sequence order (as MTP modules call it) over cp=4 x tp=2, one KV
+    head (repeated for tp), vs the reference: relative errors of the value and gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.config import ParallelismConfig
+    from jaxllm.kernels.reference import flash_attention
+    from jaxllm.sharding import Rules, make_mesh
+    from jaxllm.sharding.constrain import ShardingContext, active
+    from jaxllm.sharding.context import causal_attention
+
+    mesh = make_mesh(ParallelismConfig(dp=1, cp=4, tp=2))
+    ctx = ShardingContext(mesh, Rules.for_mesh(mesh), "ring")
+    kq, kk, kv, kw = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(kq, (2, 32, 4, 16))
+    k, v = jax.random.normal(kk, (2, 32, 1, 16)), jax.random.normal(kv, (2, 32, 1, 16))
+    w = jax.random.normal(kw, q.shape)
+
+    def sharded(q, k, v):
+        with active(ctx):
+            return jnp.sum(causal_attention(q, k, v, impl="reference") * w)
+
+    ref = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True) * w)
+    val, grads = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2)))(q, k, v)
+    val_r, grads_r = jax.value_and_grad(ref, argnums=(0, 1, 2))(q, k, v)
+    rel = lambda a, b: float(jnp.abs(a - b).max() / jnp.abs(b).max())
+    return {"value": rel(val, val_r), "grads": max(rel(g, r) for g, r in zip(grads, grads_r))}
 
 
 def memory(plan, cfg=None) -> dict:

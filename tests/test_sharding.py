@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 import sharding_worker as worker
 from jaxllm.config import ConfigError, ParallelismConfig, load_config
 from jaxllm.sharding import Rules, constrain, make_mesh, mesh_shape
-from jaxllm.sharding.constrain import ShardingContext, active
 from jaxllm.sharding.mesh import AXES, _host_split
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,43 +118,6 @@ def test_constrain_is_a_noop_without_context():
     assert constrain(x, ("batch", "seq", "embed")) is x
 
 
-# ----------------------------------------------------------------- context parallelism
-
-
-@pytest.mark.parametrize("impl,balanced", [("ring", False)])
-def test_context_parallel_attention_matches_reference(impl, balanced):
-    """cp=4 x tp=2 with one KV head (repeated for tp): forward and gradients, in sequence
-    order (as MTP modules call it; the layouts below cover both impls balanced)."""
-    from jaxllm.kernels.reference import flash_attention
-    from jaxllm.sharding import context
-
-    mesh = make_mesh(ParallelismConfig(dp=1, cp=4, tp=2))
-    ctx = ShardingContext(mesh, Rules.for_mesh(mesh), impl)
-    kq, kk, kv, ko = jax.random.split(jax.random.key(1), 4)
-    b, s, hq, hkv, d = 2, 32, 4, 1, 16
-    q = jax.random.normal(kq, (b, s, hq, d))
-    k, v = jax.random.normal(kk, (b, s, hkv, d)), jax.random.normal(kv, (b, s, hkv, d))
-    w = jax.random.normal(ko, (b, s, hq, d))
-    order = context.balanced_order(s, 4)
-
-    def sharded(q, k, v):
-        with active(ctx):
-            if balanced:
-                ctx.balanced = True
-                q, k, v = (jnp.take(x, order, axis=1) for x in (q, k, v))
-            o = context.causal_attention(q, k, v, impl="reference")
-            ctx.balanced = False
-        o = jnp.take(o, jnp.argsort(order), axis=1) if balanced else o
-        return jnp.sum(o * w)
-
-    ref = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True) * w)
-    val, grads = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2)))(q, k, v)
-    val_r, grads_r = jax.value_and_grad(ref, argnums=(0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(val, val_r, rtol=1e-5)
-    for g, gr in zip(grads, grads_r):
-        np.testing.assert_allclose(g, gr, atol=2e-5, rtol=1e-4)
-
-
 # ------------------------------------------------------------- layouts vs one device
 
 
@@ -185,6 +146,14 @@ def _assert_same_training(results, out, name, npz):
 def test_layout_trains_like_one_device(trained, name):
     out, results = trained
     _assert_same_training(results, out, name, out / f"{name}.npz")
+
+
+def test_context_parallel_attention_in_sequence_order(trained):
+    """Ring attention outside the balanced region (MTP modules) over cp=4 x tp=2 with one
+    KV head, forward and gradients vs the reference (the layouts cover both impls in the
+    balanced order)."""
+    errors = trained[1]["cp_attention"]
+    assert errors["value"] < 1e-5 and errors["grads"] < 1e-5, errors
 
 
 def test_sharded_init_equals_single_device_init(trained):

@@ -41,6 +41,7 @@ def current() -> ShardingContext | None:
 @contextlib.contextmanager
 def active(ctx: ShardingContext):
     """Make `ctx` the context of everything traced inside the block."""
+    ctx.balanced = False  # each trace starts in sequence order
     token = _CURRENT.set(ctx)
     try:
         yield ctx

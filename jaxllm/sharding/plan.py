@@ -51,7 +51,7 @@ class ShardingPlan:
     make_model: Callable
     batch_size: int
     seq_len: int
-    _opt: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(cls, cfg: Config, make_model: Callable, devices=None) -> "ShardingPlan":
@@ -79,9 +79,12 @@ class ShardingPlan:
 
     def shardings(self, kind: str = "params"):
         """Params-shaped tree of NamedShardings of one model state (params, grads, opt_state)."""
-        return jax.tree.map(
-            lambda a, names: NamedSharding(self.mesh, self.rules.param_spec(names, a.shape, kind)),
-            self.abstract, self.logical, is_leaf=lambda x: isinstance(x, tuple))
+        if kind not in self._cache:
+            self._cache[kind] = jax.tree.map(
+                lambda a, names: NamedSharding(self.mesh,
+                                               self.rules.param_spec(names, a.shape, kind)),
+                self.abstract, self.logical, is_leaf=lambda x: isinstance(x, tuple))
+        return self._cache[kind]
 
     @property
     def params(self):
@@ -98,12 +101,13 @@ class ShardingPlan:
 
     def opt_state_shardings(self, tx: optax.GradientTransformation):
         """The optimizer state's layout: moments like parameters at their ZeRO stage."""
-        if id(tx) not in self._opt:
+        key = ("tx", id(tx))
+        if key not in self._cache:
             abstract = jax.eval_shape(tx.init, self.abstract)
-            self._opt[id(tx)] = optax.tree_map_params(
+            self._cache[key] = tx, optax.tree_map_params(
                 tx, lambda _, s: s, abstract, self.shardings("opt_state"),
                 transform_non_params=lambda _: self.replicated)
-        return self._opt[id(tx)]
+        return self._cache[key][1]
 
     def abstract_opt_state(self, tx):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
