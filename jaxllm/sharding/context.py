@@ -104,11 +104,13 @@ def unbalance(h):
 def causal_attention(q, k, v, *, impl: str = "auto"):
     """Causal self-attention over the whole sequence, q [B, S, Hq, D], k/v [B, S, Hkv, D].
 
-    Context-parallel when the active sharding context has cp > 1; otherwise the plain
-    `kernels.flash_attention`.
+    Without a sharding context: `kernels.flash_attention`. With one, the kernel runs
+    per device inside `shard_map` on the local rows and heads (a Pallas kernel has no
+    partitioning rule: left to GSPMD, its inputs would be gathered whole), and with
+    cp > 1 as ring or all-gather attention over the sequence shards.
     """
     ctx = current()
-    if ctx is None or ctx.mesh.shape["cp"] == 1:
+    if ctx is None or ctx.mesh.size == 1:
         return flash_attention(q, k, v, causal=True, impl=impl)
     mesh, cp, tp = ctx.mesh, ctx.mesh.shape["cp"], ctx.mesh.shape["tp"]
     hq, hkv = q.shape[2], k.shape[2]
@@ -116,9 +118,13 @@ def causal_attention(q, k, v, *, impl: str = "auto"):
     if heads and hkv % tp:  # too few KV heads to split: give each query head its own
         k, v = (jnp.repeat(x, hq // hkv, axis=2) for x in (k, v))
     batch = ctx.rules.activation_spec(("batch",), q.shape[:1])[0]
-    spec = P(batch, "cp", heads, None)
-    body = functools.partial(_local_attention, cp=cp, balanced=ctx.balanced,
-                             gather=ctx.cp_impl == "allgather", attn=attention_with_lse(impl))
+    spec = P(batch, "cp" if cp > 1 else None, heads, None)
+    if cp == 1:
+        body = functools.partial(flash_attention, causal=True, impl=impl)
+    else:
+        body = functools.partial(_local_attention, cp=cp, balanced=ctx.balanced,
+                                 gather=ctx.cp_impl == "allgather",
+                                 attn=attention_with_lse(impl))
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                          check_vma=False)(q, k, v)
 
