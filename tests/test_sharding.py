@@ -111,6 +111,9 @@ def test_plan_rejects_bad_layouts():
     with pytest.raises(ValueError, match="divisible by 2 x cp = 8"):
         sharding_plan(load_config(None, small + ["parallelism.cp=4", "parallelism.dp=2",
                                                  "train.seq_len=12"]))
+    with pytest.raises(ConfigError, match="attention_impl='cudnn'"):
+        sharding_plan(load_config(None, small + ["parallelism.cp=2", "parallelism.dp=4",
+                                                 "model.attention_impl=cudnn"]))
 
 
 def test_constrain_is_a_noop_without_context():

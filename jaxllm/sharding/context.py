@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.config import ConfigError
 from jaxllm.kernels import available_flash_impls, flash_attention
 from jaxllm.sharding.constrain import constrain, current
 
@@ -52,7 +53,7 @@ def attention_with_lse(impl: str):
         order = ["pallas_mosaic", "pallas_triton"] if jax.default_backend() == "gpu" else []
         impl = next((n for n in order if n in available), "reference")
     if impl not in available:
-        raise ValueError(f"context parallelism needs an attention impl that returns the "
+        raise ConfigError(f"context parallelism needs an attention impl that returns the "
                          f"log-sum-exp; model.attention_impl={impl!r} does not here. "
                          f"Choose one of {available} (or 'auto')")
     module, fn = _WITH_LSE[impl].split(":")

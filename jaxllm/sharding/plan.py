@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.sharding.constrain import ShardingContext, traced_in
-from jaxllm.sharding.context import balanced_order
+from jaxllm.sharding.context import attention_with_lse, balanced_order
 from jaxllm.sharding.mesh import describe_mesh, make_mesh
 from jaxllm.sharding.rules import Rules
 
@@ -68,6 +68,7 @@ class ShardingPlan:
                               f"data-parallel size dp x fsdp x ep = {n_data}")
         if mesh.shape["cp"] > 1:
             balanced_order(t.seq_len, mesh.shape["cp"])  # raises unless 2 cp divides seq_len
+            attention_with_lse(cfg.model.attention_impl)  # raises if it has no log-sum-exp
         graphdef, state = nnx.split(nnx.eval_shape(make_model))
         plan = cls(mesh, rules, ShardingContext(mesh, rules, p.cp_impl), graphdef,
                    nnx.to_pure_dict(state), logical_axes(state), make_model, t.batch_size,
