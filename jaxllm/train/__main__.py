@@ -10,7 +10,7 @@ def main(argv=None) -> int:
                                  description="Train a jaxllm model from a YAML config.")
     ap.add_argument("--config", required=True, help="YAML config file or a run directory")
     ap.add_argument("--no-resume", action="store_true",
-                    help="start fresh even if the run directory holds checkpoints")
+                    help="refuse to resume: fail if the run directory holds checkpoints")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the mesh, every parameter's sharding and the compiled step's "
                          "per-device memory, then exit without training")
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
             print(dry_run(cfg))
             return 0
         summary = train(cfg, resume=not args.no_resume)
-    except (ConfigError, NonFiniteLoss, FileNotFoundError) as e:
+    except (ConfigError, NonFiniteLoss, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     eval_loss = summary["eval_loss"]

@@ -272,7 +272,10 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
         place = (lambda put, teach: lambda b: teach(put(b)))(place, teacher_fn(cfg, fns.plan))
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
     start = 0
-    if resume and ckpt.latest_step() is not None:
+    if ckpt.latest_step() is not None:
+        if not resume:
+            raise FileExistsError(f"{ckpt.dir} holds checkpoints (latest step "
+                                  f"{ckpt.latest_step()}); resume, or choose a new train.run_dir")
         params, opt_state, start = ckpt.restore(params, opt_state)
     logger = _Logger(cfg, run_dir, start)
     n_params = cfg.model.num_params()
