@@ -22,8 +22,8 @@ $(VENV)/.installed-test: pyproject.toml | $(PY)
 run: $(VENV)/.installed
 	rm -rf runs/tiny
 	JAX_PLATFORMS=cpu $(PY) -m jaxllm.train --config configs/tiny.yaml
-	JAX_PLATFORMS=cpu $(PY) -m jaxllm.generate --run runs/tiny --prompt "def fibonacci(n):" \
-		--max-new-tokens 300 --temperature 0.6
+	JAX_PLATFORMS=cpu $(PY) -m jaxllm.generate --run runs/tiny --prompt 'def fibonacci(n):\n' \
+		--max-new-tokens 300 --temperature 0.7 --top-p 0.9
 
 test: $(VENV)/.installed-test
 	JAX_PLATFORMS=cpu $(PY) -m pytest tests

@@ -20,8 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--hf", help="Hugging Face model directory (config.json, *.safetensors, "
                                   "tokenizer.json)")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    ap.add_argument("--prompt-file", help="a file with one prompt per line")
+    ap.add_argument("--prompt", action="append", default=[],
+                    help="a prompt (repeatable); \\n in it stands for a newline")
+    ap.add_argument("--prompt-file", help="a file with one prompt per line (\\n: newline)")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=None, help="0 is greedy")
     ap.add_argument("--top-k", type=int, default=None, help="0 turns it off")
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompts(args) -> list[str]:
-    prompts = list(args.prompt)
+    prompts = [p.replace("\\n", "\n") for p in args.prompt]
     if args.prompt_file:
         path = Path(args.prompt_file)
         if not path.exists():
@@ -46,6 +47,8 @@ def read_prompts(args) -> list[str]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from absl import logging as absl_logging  # orbax notes read-only restores at WARNING
+    absl_logging.set_verbosity(absl_logging.ERROR)
     from jaxllm.config import ConfigError, load_config
     from jaxllm.inference.decode import generate
     from jaxllm.train.checkpoint import load_model
