@@ -5,3 +5,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small corpus of 40 Python-like files for training tests."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "(", ")", ":"]
+    for i in range(40):
+        text = "\n".join(" ".join(rng.choice(words, 8)) for _ in range(30))
+        (root / f"f{i:02d}.py").write_text(text)
+    return root

@@ -61,16 +61,6 @@ def test_mtp_shapes_and_losses():
     np.testing.assert_allclose(losses, direct, rtol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["def", "return", "self", "import", "class", "for", "in", "if", "(", ")", ":"]
-    for i in range(40):
-        (root / f"f{i:02d}.py").write_text(
-            "\n".join(" ".join(rng.choice(words, 8)) for _ in range(30)))
-    return root
-
 
 def _train(tmp, corpus, *overrides):
     cfg = load_config(None, SMALL + [

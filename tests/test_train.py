@@ -15,16 +15,6 @@ SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_
          "train.progress=false", "train.eval_batches=2"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["def", "return", "self", "import", "class", "for", "in", "if", "(", ")", ":"]
-    for i in range(40):
-        text = "\n".join(" ".join(rng.choice(words, 8)) for _ in range(30))
-        (root / f"f{i:02d}.py").write_text(text)
-    return root
-
 
 def _cfg(corpus, tmp_path, *extra):
     return load_config(None, SMALL + [f"data.source={corpus}",
