@@ -63,8 +63,9 @@ def _unavailable_reason(name: str) -> str | None:
 
 
 def _resolve(table: dict[str, str], name: str) -> tuple[Callable | None, str | None]:
-    if _unavailable_reason(name):
-        return None, _unavailable_reason(name)
+    why = _unavailable_reason(name)
+    if why:
+        return None, why
     module, fn = table[name].split(":")
     try:
         return getattr(importlib.import_module(module), fn), None
