@@ -239,6 +239,8 @@ def _cfg(block_k, num_splits, num_warps=4, num_stages=3):
 # indirection level ahead of them); 3 gives one buffer, overlapped across resident CTAs.
 SWEEP = [_cfg(128, s) for s in (2, 3, 4, 6, 8)]
 SWEEP += [_cfg(64, 4, 4, 5), _cfg(64, 4, 4, 7), _cfg(128, 4, 8, 3)]
+SWEEP += [_cfg(128, 3, 4, 2), _cfg(128, 3, 4, 5), _cfg(256, 2, 8, 3), _cfg(256, 3, 8, 3),
+          _cfg(32, 3, 2, 5), _cfg(64, 3, 4, 3)]
 
 
 def main():

@@ -1,0 +1,125 @@
+"""Where a decode step's time goes: GPU kernels per step, their time, and the idle gaps.
+
+    PYTHONPATH=. python benchmarks/decode_profile.py [--config configs/llama_1b.yaml]
+        [--batch 1] [--prompt-len 1024] [--chunk 32] [--top 25]
+
+Builds the model from the config (random weights: speed does not depend on them), prefills
+a random prompt, compiles `decode.decode_chunk`, then traces one chunk of `--chunk` decode
+steps with `jax.profiler` and reads the trace back (`jax.profiler.ProfileData`). Printed:
+wall time per step, the summed kernel time per step (GPU busy time), kernel launches per
+step, and the kernels that take the most time, grouped by HLO op or kernel name. A step
+whose busy time is far below its wall time is bound by launches and gaps, not by HBM.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.config import load_config
+from jaxllm.inference.decode import decode_chunk, inference_params, prefill
+from jaxllm.model import build_model
+
+
+def kernel_events(trace_dir: str):
+    """[(line name, event name, start ns, duration ns)] of the GPU planes in the trace."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        raise SystemExit(f"no trace written under {trace_dir}")
+    data = jax.profiler.ProfileData.from_file(paths[0])
+    out = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                out.append((line.name, ev.name, ev.start_ns, ev.duration_ns))
+    return out
+
+
+def busy_ns(events) -> int:
+    """Length of the union of [start, start + duration) intervals."""
+    total, end = 0, -1
+    for start, dur in sorted((s, d) for _, _, s, d in events):
+        stop = start + dur
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/llama_1b.yaml")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--stacked", action="store_true", help="keep the scanned layer stack")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; batch {args.batch}, "
+          f"prompt {args.prompt_len}, chunk {args.chunk}", flush=True)
+    model = build_model(cfg.model, rngs=nnx.Rngs(0))
+    graphdef, params = inference_params(model, cfg, unstack=not args.stacked)
+    del model
+    rng = np.random.default_rng(0)
+    b, plen = args.batch, args.prompt_len
+    tokens = jnp.asarray(rng.integers(0, 256, (b, plen)), jnp.int32)
+    lengths = jnp.full((b,), plen, jnp.int32)
+    cache_len = -(-(plen + 4 * args.chunk) // 64) * 64
+    opts = dict(temperature=0.0, top_k=0, top_p=1.0)
+    cache, tok = prefill(graphdef, params, tokens, lengths, jax.random.key(0),
+                         cache_len=cache_len, **opts)
+    state = (cache, tok, lengths, jnp.zeros(b, bool), jax.random.key(1))
+    step_opts = dict(opts, eos_id=None, steps=args.chunk)
+    for _ in range(2):  # compile, then one warm chunk
+        state = decode_chunk(graphdef, params, *state, **step_opts)[:5]
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    state = decode_chunk(graphdef, params, *state, **step_opts)[:5]
+    jax.block_until_ready(state)
+    wall = (time.perf_counter() - t0) / args.chunk
+
+    trace_dir = tempfile.mkdtemp(prefix="decode_trace_")
+    with jax.profiler.trace(trace_dir):
+        state = decode_chunk(graphdef, params, *state, **step_opts)[:5]
+        jax.block_until_ready(state)
+    events = kernel_events(trace_dir)
+    lines = collections.Counter(line for line, *_ in events)
+    print("trace lines (events):", dict(lines), flush=True)
+    # kernel lines are the CUDA streams; "XLA Ops"/"XLA Modules" lines annotate them
+    kernels = [e for e in events if not e[0].startswith("XLA") and "Memcpy" not in e[1]]
+    ops = [e for e in events if e[0] == "XLA Ops"]
+    n = args.chunk
+    busy = busy_ns(kernels) / n / 1e3
+    print(f"\nwall per step {1e6 * wall:.1f} us; GPU busy per step {busy:.1f} us "
+          f"({100 * busy / (1e6 * wall):.0f}%); kernels per step {len(kernels) / n:.1f}")
+    by_layer = cfg.model.n_layers
+    print(f"per layer: {1e6 * wall / by_layer:.1f} us wall, {busy / by_layer:.1f} us busy, "
+          f"{len(kernels) / n / by_layer:.1f} kernels")
+    for title, evs in (("HLO ops", ops), ("kernels", kernels)):
+        agg = collections.defaultdict(lambda: [0, 0])
+        for _, name, _, dur in evs:
+            key = name.split(".")[0] if title == "HLO ops" else name[:70]
+            agg[key][0] += 1
+            agg[key][1] += dur
+        rows = sorted(agg.items(), key=lambda kv: -kv[1][1])[:args.top]
+        print(f"\n| {title} (top {args.top}) | calls/step | us/step | us/call |")
+        print("| --- | --- | --- | --- |")
+        for name, (count, dur) in rows:
+            print(f"| {name} | {count / n:.1f} | {dur / n / 1e3:.2f} | {dur / count / 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
