@@ -91,6 +91,7 @@ def main(argv=None):
     jax.block_until_ready(state)
     wall = (time.perf_counter() - t0) / args.chunk
 
+    hlo = decode_chunk.lower(graphdef, params, *state, **step_opts).compile().as_text()
     trace_dir = tempfile.mkdtemp(prefix="decode_trace_")
     with jax.profiler.trace(trace_dir):
         state = decode_chunk(graphdef, params, *state, **step_opts)[:5]
@@ -119,6 +120,12 @@ def main(argv=None):
         print("| --- | --- | --- | --- |")
         for name, (count, dur) in rows:
             print(f"| {name} | {count / n:.1f} | {dur / n / 1e3:.2f} | {dur / count / 1e3:.2f} |")
+    print("\nHLO of the top kernels (result shape, operands):")
+    for name, _ in rows[:12]:
+        line = next((ln.strip() for ln in hlo.splitlines()
+                     if ln.strip().startswith(f"%{name} = ") or ln.strip().startswith(f"{name} = ")),
+                    None)
+        print(f"  {name}: {line[:260] if line else '(not found)'}")
 
 
 if __name__ == "__main__":

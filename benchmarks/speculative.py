@@ -13,6 +13,10 @@ rows whose greedy speculative output equals plain decoding token for token (in b
 near-tie can resolve differently in a (k+1)-token verify than in a 1-token step).
 
     PYTHONPATH=. python benchmarks/speculative.py                  # the GPU run
+    # or train once, then decode different batches on two GPUs at the same time:
+    PYTHONPATH=. python benchmarks/speculative.py --run-dir R --train-only
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=. python benchmarks/speculative.py --run-dir R --batches 1
+    CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. python benchmarks/speculative.py --run-dir R --batches 8,32
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/speculative.py --quick   # smoke test
 """
 from __future__ import annotations
@@ -49,8 +53,13 @@ QUICK = dict(model=["model.d_model=64", "model.n_layers=2", "model.n_heads=2",
              steps=40, batches="1,2", prompt_len=16, new_tokens=32)
 
 
-def train_model(sizes: dict, steps: int):
-    run_dir = tempfile.mkdtemp(prefix="bench_spec_")
+def train_model(sizes: dict, steps: int, run_dir: str | None = None):
+    """Train the benchmark model into run_dir, or load it if run_dir already holds it."""
+    info_path = Path(run_dir) / "bench_train.json" if run_dir else None
+    if info_path is not None and info_path.exists():
+        model, cfg, _ = load_model(run_dir)
+        return model, cfg, json.loads(info_path.read_text())
+    run_dir = run_dir or tempfile.mkdtemp(prefix="bench_spec_")
     cfg = load_config(None, sizes["model"] + sizes["train"] + [
         f"train.steps={steps}", f"train.eval_every={steps}", "train.progress=false",
         f"train.run_dir={run_dir}", f"checkpoint.every={steps}", "checkpoint.keep=1"])
@@ -61,6 +70,7 @@ def train_model(sizes: dict, steps: int):
     info = {"params_M": cfg.model.num_params() / 1e6, "steps": summary["step"],
             "train_s": time.perf_counter() - t0, "eval_loss": summary["eval_loss"],
             **{k: v for k, v in recs[-1].items() if k.startswith("mtp")}}
+    (Path(run_dir) / "bench_train.json").write_text(json.dumps(info))
     return model, cfg, info
 
 
@@ -86,6 +96,15 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--run-dir", default=None,
+                    help="train into this directory, or reuse the model already trained there")
+    ap.add_argument("--train-only", action="store_true", help="stop after training")
+    ap.add_argument("--ks", default=None, help="comma-separated draft lengths (default 1..depth "
+                    "at batch 1, 1 and depth above)")
+    ap.add_argument("--no-sampled", action="store_true", help="skip the T=0.8 rows")
+    ap.add_argument("--unstack", type=int, default=None,
+                    help="1: per-layer weights (unrolled layers, faster, longer compile); "
+                         "0: the scanned stack; default: inference.unstack_layers")
     args = ap.parse_args()
     sizes = QUICK if args.quick else FULL
     steps = args.steps or sizes["steps"]
@@ -93,23 +112,30 @@ def main():
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}",
           flush=True)
 
-    model, cfg, info = train_model(sizes, steps)
+    model, cfg, info = train_model(sizes, steps, args.run_dir)
     print("trained", json.dumps(info), flush=True)
-    graphdef, params = inference_params(model, cfg)
+    if args.train_only:
+        return
+    unstack = None if args.unstack is None else bool(args.unstack)
+    graphdef, params = inference_params(model, cfg, unstack=unstack)
     depth = cfg.model.mtp_depth
     rows = []
     batches = [int(b) for b in (args.batches or sizes["batches"]).split(",")]
     for b in batches:
         prompts = held_out_prompts(cfg, b, sizes["prompt_len"])
         ks = range(1, depth + 1) if b == 1 else sorted({1, depth})
-        for temperature in ([0.0, 0.8] if b == 1 else [0.0]):
+        if args.ks:
+            ks = [int(x) for x in args.ks.split(",")]
+        sampled = b == 1 and not args.no_sampled
+        for temperature in ([0.0, 0.8] if sampled else [0.0]):
             common = dict(max_new_tokens=new, temperature=temperature, eos_id=None, seed=0)
             plain_ids, plain = timed(lambda warmup: generate_ids(
                 graphdef, params, prompts, chunk=32, warmup=warmup, **common), args.repeats)
             rows.append({"batch": b, "temperature": temperature, "method": "plain", "k": 0,
-                         "tokens_per_s": plain["tokens_per_s"], "speedup": 1.0})
+                         "tokens_per_s": plain["tokens_per_s"], "speedup": 1.0,
+                         "compile_s": plain["compile_s"]})
             print(rows[-1], flush=True)
-            for k in (ks if temperature == 0 else [depth]):
+            for k in (ks if temperature == 0 else [max(ks)]):
                 ids, t = timed(lambda warmup: speculative_generate_ids(
                     graphdef, params, prompts, method="mtp", k=k, warmup=warmup, **common),
                     args.repeats)
@@ -117,6 +143,7 @@ def main():
                     "batch": b, "temperature": temperature, "method": "mtp", "k": k,
                     "tokens_per_s": t["tokens_per_s"],
                     "speedup": t["tokens_per_s"] / plain["tokens_per_s"],
+                    "compile_s": t["compile_s"],
                     "acceptance_length": t["mean_acceptance_length"],
                     "acceptance_rate_per_position": t["acceptance_rate_per_position"],
                     "same": (sum(a == p for a, p in zip(ids, plain_ids))

@@ -43,13 +43,17 @@ def test_causal_masking(kv):
     assert np.abs(np.asarray(a[:, cut:] - b[:, cut:])).max() > 1e-3
 
 
-@pytest.mark.parametrize("kv", [4, 2, 1])  # MHA, GQA, MQA
-def test_cached_decode_matches_full_forward(kv):
+# MHA, GQA, MQA; GQA also with unstacked layers (a Python layer loop, per-layer caches)
+@pytest.mark.parametrize("kv,unstack", [(4, False), (2, False), (2, True), (1, False)])
+def test_cached_decode_matches_full_forward(kv, unstack):
     model, _ = _model(f"model.n_kv_heads={kv}", seed=kv)
     b, s, prompt = 2, 14, 5
     tokens = _tokens(jax.random.key(kv), b, s)
     full = model(tokens)
+    if unstack:
+        model.unstack_layers()
     cache = model.init_cache(b, 32)
+    assert cache.per_layer == unstack and cache.max_len == 32
     logits, cache = model.forward_cached(tokens[:, :prompt], cache, jnp.zeros(b, jnp.int32),
                                          prefill=True)
     got = [logits]

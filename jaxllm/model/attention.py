@@ -13,38 +13,65 @@ from jaxllm.sharding.context import causal_attention
 
 
 class KVCache(NamedTuple):
-    """Contiguous cache for all layers: k, v [L, B, Hkv, max_len, D] in the compute dtype.
+    """Contiguous cache for all layers, in the compute dtype: k, v [L, B, Hkv, max_len, D],
+    or (per-layer form) tuples of L arrays [B, Hkv, max_len, D].
 
-    Position p of row b lives at [:, b, :, p]: each (row, head) is one contiguous
+    Position p of row b lives at [b, :, p] of its layer: each (row, head) is one contiguous
     [max_len, D] matrix, the layout a batched matmul reads without a transpose. Writes
     are indexed by position, so tokens written past a row's true length (padding,
     rejected speculative drafts) are simply overwritten later and never read, since
     attention masks keys after the query.
+
+    The stacked form serves a scan over layers (traced layer index). The per-layer form
+    serves an unrolled layer loop (Python int layer index): attention then reads the
+    layer's own buffer, where slicing a stacked array would copy the layer out first
+    (a full read and write of that layer's cache per step).
     """
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | tuple
+    v: jax.Array | tuple
 
     @classmethod
-    def init(cls, n_layers, batch, max_len, n_kv_heads, head_dim, dtype) -> "KVCache":
+    def init(cls, n_layers, batch, max_len, n_kv_heads, head_dim, dtype,
+             per_layer: bool = False) -> "KVCache":
+        if per_layer:
+            shape = (batch, n_kv_heads, max_len, head_dim)
+            return cls(tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
+                       tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)))
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2] if self.per_layer else self.k.shape[3]
+
+    @property
+    def dtype(self):
+        return self.k[0].dtype if self.per_layer else self.k.dtype
 
     # The cache interface the attention layer uses (PagedKV in inference/kv_cache.py too):
 
     def update(self, layer, k, v, positions) -> "KVCache":
         """Write k/v (B, S, Hkv, D) of layer `layer` at `positions` (B, S)."""
         rows = jnp.arange(k.shape[0])[:, None]  # (B, 1)
-        # (layer, rows, :, positions) selects [B, S, Hkv, D]: k's own layout
-        return KVCache(self.k.at[layer, rows, :, positions].set(k.astype(self.k.dtype)),
-                       self.v.at[layer, rows, :, positions].set(v.astype(self.v.dtype)))
+        if self.per_layer:
+            if not isinstance(layer, int):
+                raise TypeError("a per-layer KVCache needs a Python int layer index "
+                                f"(unrolled layers), got {type(layer).__name__}")
+            # (rows, :, positions) selects [B, S, Hkv, D]: k's own layout
+            k_new = self.k[layer].at[rows, :, positions].set(k.astype(self.dtype))
+            v_new = self.v[layer].at[rows, :, positions].set(v.astype(self.dtype))
+            return KVCache(self.k[:layer] + (k_new,) + self.k[layer + 1:],
+                           self.v[:layer] + (v_new,) + self.v[layer + 1:])
+        return KVCache(self.k.at[layer, rows, :, positions].set(k.astype(self.dtype)),
+                       self.v.at[layer, rows, :, positions].set(v.astype(self.dtype)))
 
     def attend(self, layer, q, positions, window: int | None = None):
         """Queries q (B, S, Hq, D) at `positions` over the cached keys of layer `layer`."""
-        return cached_attention(q.astype(self.k.dtype), self.k[layer], self.v[layer],
+        return cached_attention(q.astype(self.dtype), self.k[layer], self.v[layer],
                                 positions, window)
 
 

@@ -134,9 +134,12 @@ class Decoder(nnx.Module):
         return self
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """A contiguous cache: per-layer buffers once the layers are unstacked (Python loop),
+        one stacked buffer for the scanned stack."""
         c = self.cfg
         return KVCache.init(c.n_layers, batch, max_len, c.n_kv_heads, c.resolved_head_dim,
-                            as_dtype(dtype or c.dtype))
+                            as_dtype(dtype or c.dtype),
+                            per_layer=isinstance(self.blocks, nnx.List))
 
 
 def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs | None = None) -> Decoder:

@@ -58,7 +58,7 @@ class MTPHeads(nnx.Module):
                    dtype=None) -> KVCache:
         """A cache with one layer per module used (the first `depth`, default all)."""
         return KVCache.init(depth or len(self), batch, max_len, cfg.n_kv_heads,
-                            cfg.resolved_head_dim, as_dtype(dtype or cfg.dtype))
+                            cfg.resolved_head_dim, as_dtype(dtype or cfg.dtype), per_layer=True)
 
 
 def shift_left(x, k: int, fill=0):
