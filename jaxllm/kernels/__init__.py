@@ -73,6 +73,14 @@ def _resolve(table: dict[str, str], name: str) -> tuple[Callable | None, str | N
         return None, f"not built ({type(e).__name__}: {e})"
 
 
+def _supports(fn, args) -> bool:
+    """Whether an implementation takes these inputs. A kernel module with a narrower
+    domain than the public API (e.g. pallas_mosaic: bf16/f16, D in {64, 128, 256})
+    says so with `unsupported_reason(*args)`; `auto` then moves on to the next one."""
+    check = getattr(importlib.import_module(fn.__module__), "unsupported_reason", None)
+    return check is None or not args or check(*args) is None
+
+
 def available_flash_impls() -> list[str]:
     return [n for n in _FLASH_TABLE if _resolve(_FLASH_TABLE, n)[0] is not None]
 
@@ -81,13 +89,13 @@ def available_paged_impls() -> list[str]:
     return [n for n in _PAGED_TABLE if _resolve(_PAGED_TABLE, n)[0] is not None]
 
 
-def _pick(table, name, valid, auto_order):
+def _pick(table, name, valid, auto_order, args=()):
     if name not in valid:
         raise ValueError(f"unknown attention impl {name!r}; choose one of {list(valid)}")
     if name == "auto":
         for cand in auto_order():
             fn, _ = _resolve(table, cand)
-            if fn is not None:
+            if fn is not None and _supports(fn, args):
                 return fn
         name = "reference"
     fn, why = _resolve(table, name)
@@ -137,7 +145,7 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     """
     _check_flash_inputs(q, k, v)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    fn = _pick(_FLASH_TABLE, impl, FLASH_IMPLS, _flash_auto_order)
+    fn = _pick(_FLASH_TABLE, impl, FLASH_IMPLS, _flash_auto_order, (q, k, v))
     return fn(q, k, v, causal=causal, sm_scale=sm_scale, **kwargs)
 
 

@@ -1,0 +1,134 @@
+"""Pallas FlashAttention (Mosaic GPU lowering) against the jnp reference: forward, LSE, gradients.
+
+On the CPU the kernels run in JAX's Mosaic GPU simulator, which runs the warpgroups as
+threads and checks the TMA copies and barriers (every phase observed, no slot reused
+early). Its wgmma takes neither register operands nor transposed shared-memory refs, so
+there the matmuls read their operands and multiply them as arrays; everything else is
+the code that runs on the GPU. The simulator is slow: three small shapes cover causal
+and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 4 and
+D 64 and 128. The GPU-only cases run long sequences with the default tiles.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.kernels import flash_attention, reference
+from jaxllm.kernels.pallas import flash_mosaic
+
+
+def _is_hopper():
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        return float(getattr(jax.devices()[0], "compute_capability", "0")) >= 9.0
+    except ValueError:
+        return False
+
+
+hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the compiled kernels need a Hopper GPU")
+
+
+def _inputs(seed, b, sq, skv, hq, hkv, d, causal, dtype):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (b, sq, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, skv, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, skv, hkv, d), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (b, sq, hq, d), jnp.float32).astype(dtype)
+    dlse = jax.random.normal(ks[4], (b, hq, sq), jnp.float32)
+    # Causal with Sq > Skv: the first Sq - Skv queries see no key. The kernel defines them
+    # as o = 0, lse = -inf; the reference does not, so they are checked separately.
+    seen = np.arange(sq) >= (sq - skv if causal else 0)
+    return q, k, v, do * seen[None, :, None, None], dlse * seen[None, None, :], seen
+
+
+def _check(b, sq, skv, hq, hkv, d, causal, tol, seed=0, **opts):
+    dtype = jnp.bfloat16
+    q, k, v, do, dlse, seen = _inputs(seed, b, sq, skv, hq, hkv, d, causal, dtype)
+    kern = functools.partial(flash_mosaic.flash_attention_with_lse, causal=causal, **opts)
+    (o, lse), vjp = jax.vjp(kern, q, k, v)
+    grads = vjp((do, dlse))
+    with jax.default_matmul_precision("highest"):
+        ref = functools.partial(reference.flash_attention_with_lse, causal=causal)
+        (o_ref, lse_ref), vjp_ref = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)))
+        grads_ref = vjp_ref((do.astype(jnp.float32), dlse))
+
+    assert o.dtype == dtype and lse.dtype == jnp.float32 and lse.shape == (b, hq, sq)
+    o32 = o.astype(jnp.float32)
+    np.testing.assert_allclose(o32[:, seen], o_ref[:, seen], atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse[:, :, seen], lse_ref[:, :, seen], atol=tol, rtol=tol)
+    if not seen.all():
+        np.testing.assert_array_equal(o32[:, ~seen], 0.0)
+        assert np.isneginf(np.asarray(lse[:, :, ~seen])).all()
+    for name, g, g_ref in zip("qkv", grads, grads_ref):
+        assert g.dtype == dtype and g.shape == g_ref.shape, name
+        scale = float(jnp.abs(g_ref).max())
+        err = float(jnp.abs(g.astype(jnp.float32) - g_ref).max())
+        assert err <= tol * max(1.0, scale), f"d{name}: max error {err} (scale {scale})"
+
+
+# (b, sq, skv, hq, hkv, d, causal). Key tiles of 64 give several tiles per stream; the
+# 128-row query tile splits into the two warpgroups' 64-row slabs.
+CPU_CASES = [
+    # causal, Sq < Skv: tiles fully visible, crossing the diagonal, and skipped per slab.
+    (1, 128, 192, 4, 1, 64, True),
+    # causal, Sq > Skv with ragged lengths: 30 rows see no key; padded keys and queries.
+    (1, 100, 70, 2, 2, 128, True),
+    # full attention, GQA 4, ragged key tail.
+    (1, 70, 200, 4, 1, 64, False),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "sq{1}_skv{2}_hq{3}_hkv{4}_d{5}_{6}".format(
+    *c[:6], "causal" if c[6] else "full"))
+def test_matches_reference(case):
+    *shape, causal = case
+    _check(*shape, causal=causal, tol=2e-2, block_kv=64)
+
+
+def test_bad_inputs_raise():
+    q = jnp.ones((1, 8, 2, 96), jnp.bfloat16)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        flash_mosaic.flash_attention(q, q[:, :, :1], q[:, :, :1])
+    q = jnp.ones((1, 8, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        flash_mosaic.flash_attention(q, q, q)
+    q = q.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_kv=96 must be a positive multiple of 64"):
+        flash_mosaic.flash_attention(q, q, q, block_kv=96)
+    with pytest.raises(ValueError, match="unknown pallas_mosaic options"):
+        flash_mosaic.flash_attention(q, q, q, blok_q=64)
+
+
+def test_auto_skips_unsupported_inputs(monkeypatch):
+    # With pallas_mosaic first in the auto order, inputs it cannot take go to the next impl.
+    import jaxllm.kernels as kernels
+    monkeypatch.setattr(kernels, "_flash_auto_order", lambda: ["pallas_mosaic", "reference"])
+    q, k, v, *_ = _inputs(1, 1, 8, 8, 2, 1, 96, True, jnp.float32)
+    fn = kernels._pick(kernels._FLASH_TABLE, "auto", kernels.FLASH_IMPLS,
+                       kernels._flash_auto_order, (q, k, v))
+    assert fn is reference.flash_attention
+    qb = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+    fn = kernels._pick(kernels._FLASH_TABLE, "auto", kernels.FLASH_IMPLS,
+                       kernels._flash_auto_order, (qb, qb[:, :, :1], qb[:, :, :1]))
+    assert fn is flash_mosaic.flash_attention
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", [(2, 1024, 1024, 8, 2, 128), (1, 1000, 2500, 8, 1, 64),
+                                   (1, 777, 777, 4, 4, 256), (1, 2500, 1000, 4, 1, 128)],
+                         ids=["gqa4_d128", "mqa_d64_sq_lt_skv", "mha_d256", "sq_gt_skv"])
+def test_gpu_long_bf16(shape, causal):
+    _check(*shape, causal=causal, tol=3e-2)
+
+
+@hopper_only
+def test_gpu_dispatch():
+    q, k, v, *_ = _inputs(2, 2, 512, 512, 8, 2, 128, True, jnp.bfloat16)
+    out = flash_attention(q, k, v, causal=True, impl="pallas_mosaic")
+    with jax.default_matmul_precision("highest"):
+        want = reference.flash_attention(*(x.astype(jnp.float32) for x in (q, k, v)))
+    np.testing.assert_allclose(out.astype(jnp.float32), want, atol=3e-2, rtol=3e-2)
