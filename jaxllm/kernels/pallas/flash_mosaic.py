@@ -24,9 +24,11 @@ stream stops at the last tile its rows can see (dk/dv: starts at the first); ins
 tiles fully below the diagonal run without a mask and only tiles crossing it (or the key
 tail) pay for one. A warpgroup whose slab sees fewer tiles than its CTA's stream still
 waits on and releases the extra slots, so the ring's barriers stay in phase. Lengths
-that are not tile multiples are zero-padded here; padded keys are masked in the
-forward pass and contribute nothing in the backward (K = V = 0 there, dO = 0 on padded
-rows). A query row that sees no key (causal, Sq > Skv) gets o = 0 and LSE = -inf.
+that are not tile multiples are zero-padded here; padded keys are masked wherever their
+scores are used (forward, dq), their dk/dv rows are dropped, and padded query rows add
+nothing to dk/dv (Q = dO = 0 there). The backward kernels are in flash_mosaic_bwd.py,
+the shared building blocks in mosaic_common.py. A query row that sees no key (causal,
+Sq > Skv) gets o = 0 and LSE = -inf.
 
 On the CPU the kernels run in JAX's Mosaic GPU simulator (slow; small shapes only).
 """
@@ -42,8 +44,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+from jaxllm.kernels.pallas import mosaic_common as mg
+from jaxllm.kernels.pallas.flash_mosaic_bwd import dkdv_kernel, dq_kernel
+from jaxllm.kernels.pallas.mosaic_common import LN2, LOG2E
+
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -81,148 +85,6 @@ class BlockSizes:
         if self.compute_wgs_bwd not in (1, 2):
             raise ValueError(f"compute_wgs_bwd={self.compute_wgs_bwd} must be 1 or 2")
 
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _pad_axis(x, axis: int, size: int):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
-def _cdiv_nonneg(x, m: int):
-    """ceil(max(x, 0) / m) for an int32 scalar (lax.div truncates, so keep x >= 0)."""
-    return lax.div(jnp.maximum(x, 0) + (m - 1), jnp.int32(m))
-
-
-def _floordiv_nonneg(x, m: int):
-    return lax.div(jnp.maximum(x, 0), jnp.int32(m))
-
-
-def _clip(x, lo, hi):
-    return jnp.minimum(jnp.maximum(x, lo), hi)
-
-
-def _smem(shape, dtype):
-    """Shared memory in the layout wgmma reads: 8 x 64 tiles, 128-byte swizzle."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
-                                                plgpu.SwizzleTransform(128)))
-
-
-def _bcast_rows(x, shape):
-    """A per-row vector (layout WGMMA.reduce(1)) broadcast along the columns."""
-    return lax.broadcast_in_dim(x, shape, [0])
-
-
-def _bcast_cols(x, shape):
-    return lax.broadcast_in_dim(x, shape, [1])
-
-
-def _layout(x, layout, sim: bool):
-    """Pin a register layout (the simulator has no layouts)."""
-    return x if sim else plgpu.layout_cast(x, layout)
-
-
-def _iota(shape, dim, sim: bool):
-    if sim:
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-
-def _dot(a, b, *, sim: bool, acc=None, trans_b: bool = False, a_ref: bool = True,
-         during=None):
-    """acc + a @ b (b^T when trans_b) in float32 with wgmma; acc None starts from zero.
-
-    a is an SMEM ref (a_ref) or a register array, b an SMEM ref. `during` runs after
-    the wgmma is issued and before it is awaited. With an acc, the product accumulates in
-    place (`pl.run_state`). The simulator's wgmma takes neither register operands nor
-    transposed refs, so there the operands are read and multiplied as arrays.
-    """
-    if sim:
-        av = a[...] if a_ref else a
-        dims = ((1,), (1,)) if trans_b else ((1,), (0,))
-        r = lax.dot_general(av, b[...], (dims, ((), ())), preferred_element_type=jnp.float32)
-        if during is not None:
-            during()
-        return r if acc is None else acc + r
-    bb = b.transpose((1, 0)) if trans_b else b
-    if acc is None:
-        m, n = a.shape[0], (b.shape[0] if trans_b else b.shape[1])
-
-        def fresh(ref):
-            plgpu.wgmma(ref, a, bb)
-            if during is not None:
-                during()
-            return ref[...]
-        return pl.run_scoped(fresh, plgpu.ACC((m, n), jnp.float32))
-
-    def body(ref):
-        plgpu.wgmma(ref, a, bb)
-        if during is not None:
-            during()
-    return pl.run_state(body)(plgpu.ACC.init(acc))
-
-
-def _load_vec(ref, layout, sim: bool):
-    """A 1-D float32 SMEM vector as a register array in `layout` (the simulator has no
-    `plgpu.load`)."""
-    if sim:
-        return ref[...]
-    try:  # jax >= 0.11 takes no index (and deprecates passing one)
-        return plgpu.load(ref, layout=layout)
-    except TypeError:
-        return plgpu.load(ref, (), layout=layout)
-
-
-def _zeros(shape, sim: bool):
-    return _layout(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA, sim)
-
-
-def _produce(n_steps, stages, groups):
-    """Producer loop: step s of [0, n_steps) goes to ring slot s % stages once it is free.
-
-    groups: list of (loaded barriers, free barriers, [(src_fn(step) -> GMEM ref, ring)]);
-    the copies of one group share its barriers (loaded counts one arrival per copy).
-    """
-    def issue(step, slot, wait_free):
-        for loaded, free, copies in groups:
-            if wait_free:
-                plgpu.barrier_wait(free.at[slot])
-            for src_fn, ring in copies:
-                plgpu.copy_gmem_to_smem(src_fn(step), ring.at[slot], loaded.at[slot])
-
-    for i in range(stages):
-        pl.when(i < n_steps)(functools.partial(issue, i, i, False))
-
-    @pl.loop(0, jnp.maximum(n_steps - stages, 0))
-    def _(s):
-        issue(s + stages, lax.rem(s, jnp.int32(stages)), True)
-
-    # Drain: see the consumers release the last slots, so that every thread that waits
-    # on a barrier has observed all of its phases when the kernel ends.
-    @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
-    def _(s):
-        for _, free, _ in groups:
-            plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
-
-
-def _compiler_params():
-    return plgpu.CompilerParams(approx_math=True)
-
-
-def _interpret_params(interpret):
-    if not interpret:
-        return None
-    params = getattr(plgpu, "InterpretGPUParams", None)  # public from jax 0.11
-    if params is None:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-    return params()
-
-
 # ----------------------------------------------------------------------------- forward
 
 
@@ -246,7 +108,7 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
             qt = n_qt - 1 - qt
         tile_base = qt * (n_wg * bq)
         if causal:
-            n_steps = jnp.minimum(_cdiv_nonneg(tile_base + n_wg * bq + offset, bk), n_kv)
+            n_steps = jnp.minimum(mg.cdiv_nonneg(tile_base + n_wg * bq + offset, bk), n_kv)
         else:
             n_steps = jnp.int32(n_kv)
 
@@ -260,8 +122,8 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
             plgpu.set_max_registers(232, action="increase")
             q_base = tile_base + wg * bq
             if causal:
-                my_steps = jnp.minimum(_cdiv_nonneg(q_base + bq + offset, bk), n_steps)
-                n_full = jnp.minimum(_floordiv_nonneg(q_base + offset + 1, bk),
+                my_steps = jnp.minimum(mg.cdiv_nonneg(q_base + bq + offset, bk), n_steps)
+                n_full = jnp.minimum(mg.floordiv_nonneg(q_base + offset + 1, bk),
                                      jnp.minimum(my_steps, n_kv_full_tail))
             else:
                 my_steps = n_steps
@@ -269,18 +131,18 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
             q_tile = q_smem.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), h], q_tile, q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
-            rows = _iota((bq, bk), 0, interpret) + (q_base + offset)
+            rows = mg.iota((bq, bk), 0, interpret) + (q_base + offset)
 
             def step(s, carry, masked):
                 acc, m, l = carry
                 slot = lax.rem(s, jnp.int32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
 
-                sc = _dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
+                sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
                 plgpu.barrier_arrive(k_free.at[slot])
                 sc = sc * c  # (bq, bk), log2 units
                 if masked:
-                    cols = _iota((bq, bk), 1, interpret) + s * bk
+                    cols = mg.iota((bq, bk), 1, interpret) + s * bk
                     ok = cols < skv
                     if causal:
                         ok = ok & (cols <= rows)
@@ -289,8 +151,8 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
                 # Rows with every key masked so far keep m = -inf: shift by 0, not -inf.
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
                 alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(sc - _bcast_rows(m_use, sc.shape))
-                acc = acc * _bcast_rows(alpha, acc.shape)
+                p = jnp.exp2(sc - mg.bcast_rows(m_use, sc.shape))
+                acc = acc * mg.bcast_rows(alpha, acc.shape)
                 l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
                 if bs.schedule_barrier:
@@ -298,7 +160,7 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
                 plgpu.barrier_wait(v_bar.at[slot])
                 if bs.schedule_barrier:
                     plgpu.barrier_wait(sched)
-                acc = _dot(p16, v_smem.at[slot], acc=acc, a_ref=False, sim=interpret)
+                acc = mg.dot(p16, v_smem.at[slot], acc=acc, a_ref=False, sim=interpret)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
@@ -314,9 +176,9 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
                 return _
 
             row_layout = plgpu.Layout.WGMMA.reduce(1)
-            carry = (_zeros((bq, d), interpret),
-                     _layout(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout, interpret),
-                     _layout(jnp.zeros((bq,), jnp.float32), row_layout, interpret))
+            carry = (mg.zeros((bq, d), interpret),
+                     mg.layout(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout, interpret),
+                     mg.layout(jnp.zeros((bq,), jnp.float32), row_layout, interpret))
             pl.when(wg == 1)(sync)
             carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
             acc, m, l = lax.fori_loop(n_full, my_steps, functools.partial(step, masked=True),
@@ -326,7 +188,7 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
 
             empty = l == 0.0
             l_safe = jnp.where(empty, 1.0, l)
-            o = acc * _bcast_rows(1.0 / l_safe, acc.shape)
+            o = acc * mg.bcast_rows(1.0 / l_safe, acc.shape)
             lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
             q_tile[...] = o.astype(dtype)
             plgpu.commit_smem()
@@ -342,11 +204,12 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
             plgpu.set_max_registers(40, action="decrease")
             kv_h = lax.div(h, jnp.int32(group))
             tile = lambda ref: lambda s: ref.at[bi, pl.ds(s * bk, bk), kv_h]
-            _produce(n_steps, stages, [(k_bar, k_free, [(tile(k_ref), k_smem)]),
+            mg.produce(n_steps, stages, [(k_bar, k_free, [(tile(k_ref), k_smem)]),
                                        (v_bar, v_free, [(tile(v_ref), v_smem)])])
 
     scratch = [
-        _smem((n_wg, bq, d), dtype), _smem((stages, bk, d), dtype), _smem((stages, bk, d), dtype),
+        mg.smem((n_wg, bq, d), dtype),
+        mg.smem((stages, bk, d), dtype), mg.smem((stages, bk, d), dtype),
         plgpu.SMEM((n_wg, bq), jnp.float32),
         plgpu.Barrier(num_barriers=n_wg),
         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
@@ -363,265 +226,23 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
         grid_names=("q_seq", "heads", "batch"),
         num_threads=n_wg + 1,
         thread_name="wg",
-        compiler_params=_compiler_params(),
-        interpret=_interpret_params(interpret),
+        compiler_params=mg.compiler_params(),
+        interpret=mg.interpret_params(interpret),
     )(q, k, v)
     return o, lse
-
-
-# ----------------------------------------------------------------------------- backward
-
-
-def _dq(q, k, v, do, lse2, delta, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
-    """dQ [B, Sq_p, Hq, D]: each warpgroup owns block_q_dq query rows, K/V tiles stream."""
-    b, sq_p, hq, d = q.shape
-    skv_p, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    bq, bk, stages, n_wg = bs.block_q_dq, bs.block_kv_dq, bs.num_stages_bwd, bs.compute_wgs_bwd
-    n_qt, n_kv = sq_p // (n_wg * bq), skv_p // bk
-    c = scale * LOG2E
-    dtype = q.dtype
-    sim = interpret
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem,
-               lse_smem, delta_smem, k_smem, v_smem, in_bar, k_bar, v_bar, k_free, v_free):
-        bi, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-        qt = lax.axis_index("q_seq")
-        if causal:
-            qt = n_qt - 1 - qt
-        tile_base = qt * (n_wg * bq)
-        if causal:
-            n_steps = jnp.minimum(_cdiv_nonneg(tile_base + n_wg * bq + offset, bk), n_kv)
-        else:
-            n_steps = jnp.int32(n_kv)
-
-        @pl.when(wg < n_wg)
-        def _compute():
-            plgpu.set_max_registers(232 if n_wg == 2 else 240, action="increase")
-            q_base = tile_base + wg * bq
-            if causal:
-                my_steps = jnp.minimum(_cdiv_nonneg(q_base + bq + offset, bk), n_steps)
-                n_full = jnp.minimum(_floordiv_nonneg(q_base + offset + 1, bk),
-                                     jnp.minimum(my_steps, skv // bk))
-            else:
-                my_steps, n_full = n_steps, jnp.int32(skv // bk)
-            rows = pl.ds(q_base, bq)
-            q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
-            bar = in_bar.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, h], q_tile, bar)
-            plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, h], do_tile, bar)
-            plgpu.copy_gmem_to_smem(lse_ref.at[bi, h, rows], lse_smem.at[wg], bar)
-            plgpu.copy_gmem_to_smem(delta_ref.at[bi, h, rows], delta_smem.at[wg], bar)
-            plgpu.barrier_wait(bar)
-            lse = _load_vec(lse_smem.at[wg], row_layout, sim)  # (bq,) log2 units
-            delta = _load_vec(delta_smem.at[wg], row_layout, sim)
-            row_ids = _iota((bq, bk), 0, sim) + (q_base + offset)
-
-            def step(s, dq, masked):
-                slot = lax.rem(s, jnp.int32(stages))
-                plgpu.barrier_wait(k_bar.at[slot])
-                sc = _dot(q_tile, k_smem.at[slot], trans_b=True, sim=sim) * c  # (bq, bk)
-                if masked:
-                    cols = _iota((bq, bk), 1, sim) + s * bk
-                    ok = cols < skv
-                    if causal:
-                        ok = ok & (cols <= row_ids)
-                    sc = jnp.where(ok, sc, -jnp.inf)
-                p = jnp.exp2(sc - _bcast_rows(lse, sc.shape))
-                plgpu.barrier_wait(v_bar.at[slot])
-                dp = _dot(do_tile, v_smem.at[slot], trans_b=True, sim=sim)
-                plgpu.barrier_arrive(v_free.at[slot])
-                ds = p * (dp - _bcast_rows(delta, dp.shape))
-                dq = _dot(ds.astype(dtype), k_smem.at[slot], acc=dq, a_ref=False, sim=sim)
-                plgpu.barrier_arrive(k_free.at[slot])
-                return dq
-
-            def skip(s, _):
-                slot = lax.rem(s, jnp.int32(stages))
-                for loaded, free in ((k_bar, k_free), (v_bar, v_free)):
-                    plgpu.barrier_wait(loaded.at[slot])
-                    plgpu.barrier_arrive(free.at[slot])
-                return _
-
-            dq = _zeros((bq, d), sim)
-            dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
-            dq = lax.fori_loop(n_full, my_steps, functools.partial(step, masked=True), dq)
-            lax.fori_loop(my_steps, n_steps, skip, None)
-            q_tile[...] = (dq * scale).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[bi, rows, h])
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == n_wg)
-        def _produce_kv():
-            plgpu.set_max_registers(40, action="decrease")
-            kv_h = lax.div(h, jnp.int32(group))
-            tile = lambda ref: lambda s: ref.at[bi, pl.ds(s * bk, bk), kv_h]
-            _produce(n_steps, stages, [(k_bar, k_free, [(tile(k_ref), k_smem)]),
-                                       (v_bar, v_free, [(tile(v_ref), v_smem)])])
-
-    scratch = [
-        _smem((n_wg, bq, d), dtype), _smem((n_wg, bq, d), dtype),
-        plgpu.SMEM((n_wg, bq), jnp.float32), plgpu.SMEM((n_wg, bq), jnp.float32),
-        _smem((stages, bk, d), dtype), _smem((stages, bk, d), dtype),
-        plgpu.Barrier(num_arrivals=4, num_barriers=n_wg),
-        plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
-    ]
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=scratch,
-        grid=(n_qt, hq, b),
-        grid_names=("q_seq", "heads", "batch"),
-        num_threads=n_wg + 1,
-        thread_name="wg",
-        compiler_params=_compiler_params(),
-        interpret=_interpret_params(interpret),
-    )(q, k, v, do, lse2, delta)
-
-
-def _dkdv(q, k, v, do, lse2, delta, *, causal, scale, bs: BlockSizes, offset, interpret):
-    """dK, dV [B, Skv_p, Hkv, D]: each warpgroup owns block_kv_dkv keys; the Q, dO, LSE
-    and delta tiles of every query head of the GQA group stream past them in turn."""
-    b, sq_p, hq, d = q.shape
-    skv_p, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    bq, bk, stages, n_wg = bs.block_q_dkv, bs.block_kv_dkv, bs.num_stages_bwd, bs.compute_wgs_bwd
-    n_kt, n_q = skv_p // (n_wg * bk), sq_p // bq
-    c = scale * LOG2E
-    dtype = q.dtype
-    sim = interpret
-    col_layout = plgpu.Layout.WGMMA.reduce(0)
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem,
-               v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, in_bar, in_free):
-        bi, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-        tile_base = lax.axis_index("kv_seq") * (n_wg * bk)
-        # Query tiles before `lo` see none of this CTA's keys (rows r see keys <= r + offset).
-        lo = (jnp.minimum(_floordiv_nonneg(tile_base - offset, bq), n_q) if causal
-              else jnp.int32(0))
-        n_t = n_q - lo
-        n_steps = group * n_t
-
-        @pl.when(wg < n_wg)
-        def _compute():
-            plgpu.set_max_registers(232 if n_wg == 2 else 240, action="increase")
-            kv_base = tile_base + wg * bk
-            keys = pl.ds(kv_base, bk)
-            if causal:
-                lo_w = jnp.minimum(_floordiv_nonneg(kv_base - offset, bq), n_q)
-                full_w = _clip(_cdiv_nonneg(kv_base + bk - 1 - offset, bq), lo_w, n_q)
-            else:
-                lo_w = full_w = 0
-            k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, h], k_tile, kv_bar.at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, h], v_tile, kv_bar.at[wg])
-            plgpu.barrier_wait(kv_bar.at[wg])
-            key_ids = _iota((bk, bq), 0, sim) + (kv_base - offset)
-
-            def step(t, carry, first, masked):
-                dk, dv = carry
-                slot = lax.rem(first + t, jnp.int32(stages))
-                plgpu.barrier_wait(in_bar.at[slot])
-                q_t, do_t = q_ring.at[slot], do_ring.at[slot]
-                st = _dot(k_tile, q_t, trans_b=True, sim=sim) * c  # (bk, bq) = S^T
-                lse = _load_vec(lse_ring.at[slot], col_layout, sim)
-                pt = jnp.exp2(st - _bcast_cols(lse, st.shape))
-                if masked:
-                    q_ids = _iota((bk, bq), 1, sim) + t * bq
-                    pt = jnp.where(key_ids <= q_ids, pt, 0.0)
-                dv = _dot(pt.astype(dtype), do_t, acc=dv, a_ref=False, sim=sim)
-                dpt = _dot(v_tile, do_t, trans_b=True, sim=sim)
-                delta = _load_vec(delta_ring.at[slot], col_layout, sim)
-                dst = pt * (dpt - _bcast_cols(delta, dpt.shape))
-                dk = _dot(dst.astype(dtype), q_t, acc=dk, a_ref=False, sim=sim)
-                plgpu.barrier_arrive(in_free.at[slot])
-                return dk, dv
-
-            def skip(t, carry, first):
-                slot = lax.rem(first + t, jnp.int32(stages))
-                plgpu.barrier_wait(in_bar.at[slot])
-                plgpu.barrier_arrive(in_free.at[slot])
-                return carry
-
-            def head(g, carry):
-                first = g * n_t - lo  # stream step of query tile t is first + t
-                carry = lax.fori_loop(lo, lo_w, functools.partial(skip, first=first), carry)
-                carry = lax.fori_loop(lo_w, full_w, functools.partial(
-                    step, first=first, masked=True), carry)
-                return lax.fori_loop(full_w, n_q, functools.partial(
-                    step, first=first, masked=False), carry)
-
-            dk, dv = lax.fori_loop(0, group, head, (_zeros((bk, d), sim), _zeros((bk, d), sim)))
-            k_tile[...] = (dk * scale).astype(dtype)
-            v_tile[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[bi, keys, h], commit_group=False)
-            plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[bi, keys, h], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == n_wg)
-        def _produce_q():
-            plgpu.set_max_registers(40, action="decrease")
-
-            def where(s):
-                g = lax.div(s, n_t)
-                return h * group + g, pl.ds((lo + s - g * n_t) * bq, bq)
-
-            def tile(ref):
-                def src(s):
-                    qh, rows = where(s)
-                    return ref.at[bi, rows, qh]
-                return src
-
-            def vec(ref):
-                def src(s):
-                    qh, rows = where(s)
-                    return ref.at[bi, qh, rows]
-                return src
-
-            _produce(n_steps, stages, [(in_bar, in_free, [
-                (tile(q_ref), q_ring), (tile(do_ref), do_ring),
-                (vec(lse_ref), lse_ring), (vec(delta_ref), delta_ring)])])
-
-    scratch = [
-        _smem((n_wg, bk, d), dtype), _smem((n_wg, bk, d), dtype),
-        _smem((stages, bq, d), dtype), _smem((stages, bq, d), dtype),
-        plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
-        plgpu.Barrier(num_arrivals=2, num_barriers=n_wg),
-        plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
-    ]
-    kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-    return plgpu.kernel(
-        kernel,
-        out_type=[kv_type, kv_type],
-        scratch_types=scratch,
-        grid=(n_kt, hkv, b),
-        grid_names=("kv_seq", "heads", "batch"),
-        num_threads=n_wg + 1,
-        thread_name="wg",
-        compiler_params=_compiler_params(),
-        interpret=_interpret_params(interpret),
-    )(q, k, v, do, lse2, delta)
-
 
 # ----------------------------------------------------------------------------- public API
 
 
 def _tiles(sq: int, skv: int, bs: BlockSizes) -> tuple[BlockSizes, int, int]:
     """Clamp the key tiles to short sequences; the padded lengths every kernel divides."""
-    kv_cap = _round_up(skv, 64)
+    kv_cap = mg.round_up(skv, 64)
     bs = dataclasses.replace(bs, block_kv=min(bs.block_kv, kv_cap),
                              block_kv_dq=min(bs.block_kv_dq, kv_cap))
     n_wg = bs.compute_wgs_bwd
     q_mult = math.lcm(2 * bs.block_q, n_wg * bs.block_q_dq, bs.block_q_dkv)
     kv_mult = math.lcm(bs.block_kv, bs.block_kv_dq, n_wg * bs.block_kv_dkv)
-    return bs, _round_up(sq, q_mult), _round_up(skv, kv_mult)
+    return bs, mg.round_up(sq, q_mult), mg.round_up(skv, kv_mult)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -632,8 +253,8 @@ def _flash(q, k, v, causal, scale, bs, interpret):
 def _flash_fwd(q, k, v, causal, scale, bs, interpret):
     sq, skv = q.shape[1], k.shape[1]
     bs, sq_p, skv_p = _tiles(sq, skv, bs)
-    qp = _pad_axis(q, 1, sq_p)
-    kp, vp = _pad_axis(k, 1, skv_p), _pad_axis(v, 1, skv_p)
+    qp = mg.pad_axis(q, 1, sq_p)
+    kp, vp = mg.pad_axis(k, 1, skv_p), mg.pad_axis(v, 1, skv_p)
     o, lse = _forward(qp, kp, vp, causal=causal, scale=scale, bs=bs, skv=skv,
                       offset=skv - sq, interpret=interpret)
     o, lse = o[:, :sq], lse[:, :, :sq]
@@ -649,12 +270,12 @@ def _flash_bwd(causal, scale, bs, interpret, res, cts):
     # key have LSE -inf; +inf makes their P exactly 0.
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
-    delta, lse2 = _pad_axis(delta, 2, sq_p), _pad_axis(lse2, 2, sq_p)
-    qp, dop = _pad_axis(q, 1, sq_p), _pad_axis(do.astype(q.dtype), 1, sq_p)
-    kp, vp = _pad_axis(k, 1, skv_p), _pad_axis(v, 1, skv_p)
+    delta, lse2 = mg.pad_axis(delta, 2, sq_p), mg.pad_axis(lse2, 2, sq_p)
+    qp, dop = mg.pad_axis(q, 1, sq_p), mg.pad_axis(do.astype(q.dtype), 1, sq_p)
+    kp, vp = mg.pad_axis(k, 1, skv_p), mg.pad_axis(v, 1, skv_p)
     common = dict(causal=causal, scale=scale, bs=bs, offset=skv - sq, interpret=interpret)
-    dq = _dq(qp, kp, vp, dop, lse2, delta, skv=skv, **common)
-    dk, dv = _dkdv(qp, kp, vp, dop, lse2, delta, **common)
+    dq = dq_kernel(qp, kp, vp, dop, lse2, delta, skv=skv, **common)
+    dk, dv = dkdv_kernel(qp, kp, vp, dop, lse2, delta, **common)
     return dq[:, :sq], dk[:, :skv], dv[:, :skv]
 
 

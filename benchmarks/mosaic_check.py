@@ -1,0 +1,143 @@
+"""pallas_mosaic on the GPU: correctness against the float32 reference, then throughput
+against pallas_triton and cuDNN in the same run, and a few tile/pipeline variants.
+
+Shapes (bf16): B=4 S=4096 Hq=32 Hkv=8 D=128 and B=16 S=1024 Hq=32 Hkv=8 D=64, causal and
+full. Correctness: max abs error of o and of dq, dk, dv (for a random cotangent) against
+`kernels/reference.py` in float32, on the first batch row and the first two KV heads
+(8 query heads) at full sequence length, so the reference fits in memory. Throughput
+follows benchmarks/attention.py: FLOPs = 4 B Hq Sq Skv D, halved when causal; fwd+bwd
+counts 3.5x that; time = median over batches of back-to-back jitted calls, synchronised
+with block_until_ready, after a warm-up call. Every implementation and variant runs in
+its own try/except: a failure prints its first 40 lines and the script goes on. A
+markdown table comes last.
+
+  PYTHONPATH=. python3 benchmarks/mosaic_check.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.attention import attention_flops, time_fn  # the same conventions
+from jaxllm.kernels import flash_attention, reference
+
+HQ, HKV = 32, 8
+SHAPES = [(4, 4096, 128), (16, 1024, 64)]  # (B, S, D)
+VARIANTS = {  # name -> pallas_mosaic options
+    "mosaic": {},
+    "mosaic bk64 st3": dict(block_kv=64, num_stages=3),
+    "mosaic no-pingpong": dict(schedule_barrier=False),
+    "mosaic bwd 1wg st3": dict(compute_wgs_bwd=1, num_stages_bwd=3),
+}
+
+
+def report_error(where, e):
+    lines = "".join(traceback.format_exception(e)).splitlines()
+    print(f"!! {where}: {type(e).__name__}", flush=True)
+    print("\n".join(lines[-40:] if len(lines) > 40 else lines), flush=True)
+
+
+def check(q, k, v, do, causal, opts):
+    """Max abs errors of o, dq, dk, dv against the float32 reference (a head subset)."""
+    q, do = q[:1, :, :8], do[:1, :, :8]
+    k, v = k[:1, :, :2], v[:1, :, :2]
+
+    def loss(fn, q, k, v):
+        return jnp.vdot(fn(q, k, v).astype(jnp.float32), do.astype(jnp.float32))
+
+    kern = functools.partial(flash_attention, causal=causal, impl="pallas_mosaic", **opts)
+    ref = functools.partial(reference.flash_attention, causal=causal)
+    o = jax.jit(kern)(q, k, v).astype(jnp.float32)
+    g = jax.jit(jax.grad(functools.partial(loss, kern), argnums=(0, 1, 2)))(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):
+        o_ref = jax.jit(ref)(*f32)
+        g_ref = jax.jit(jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2)))(*f32)
+    errs = {"o": float(jnp.abs(o - o_ref).max())}
+    for name, a, r in zip(("dq", "dk", "dv"), g, g_ref):
+        errs[name] = float(jnp.abs(a.astype(jnp.float32) - r).max())
+        errs[name + "_scale"] = float(jnp.abs(r).max())
+    return errs
+
+
+def bench(fn, q, k, v, do, causal, flops):
+    f = jax.jit(functools.partial(fn, causal=causal))
+
+    def loss(q, k, v, do):
+        return jnp.vdot(f(q, k, v).astype(jnp.float32), do.astype(jnp.float32))
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    row = {}
+    t = time_fn(f, q, k, v)
+    row["fwd"] = flops / t / 1e12
+    t = time_fn(g, q, k, v, do)
+    row["fwdbwd"] = 3.5 * flops / t / 1e12
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="headline shape and default tiles only")
+    args = ap.parse_args()
+    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    variants = dict(list(VARIANTS.items())[:1]) if args.quick else VARIANTS
+    rows, checks = [], []
+    for (b, s, d), causal in itertools.product(shapes, (True, False)):
+        mask = "causal" if causal else "full"
+        ks = jax.random.split(jax.random.key(s + d + causal), 4)
+        q = jax.random.normal(ks[0], (b, s, HQ, d), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (b, s, HKV, d), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (b, s, HKV, d), jnp.bfloat16)
+        do = jax.random.normal(ks[3], (b, s, HQ, d), jnp.bfloat16)
+        flops = attention_flops(b, HQ, s, s, d, causal)
+        try:
+            errs = check(q, k, v, do, causal, {})
+            checks.append((b, s, d, mask, errs))
+            print(f"check B={b} S={s} D={d} {mask}: " +
+                  " ".join(f"{n}={e:.3g}" for n, e in errs.items()), flush=True)
+        except Exception as e:  # noqa: BLE001  keep going
+            report_error(f"check B={b} S={s} D={d} {mask}", e)
+        impls = {"cudnn": functools.partial(flash_attention, impl="cudnn"),
+                 "pallas_triton": functools.partial(flash_attention, impl="pallas_triton")}
+        for name, opts in variants.items():
+            impls[name] = functools.partial(flash_attention, impl="pallas_mosaic", **opts)
+        for name, fn in impls.items():
+            row = dict(b=b, s=s, d=d, mask=mask, impl=name)
+            try:
+                row.update(bench(fn, q, k, v, do, causal, flops))
+            except Exception as e:  # noqa: BLE001
+                report_error(f"{name} B={b} S={s} D={d} {mask}", e)
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}" if str(e) \
+                    else type(e).__name__
+            print(row, flush=True)
+            rows.append(row)
+
+    print("\n## correctness (max abs error vs float32 reference; *_scale = max |ref grad|)\n")
+    print("| B | S | D | mask | o | dq | dk | dv | dq scale | dk scale | dv scale |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for b, s, d, mask, e in checks:
+        print(f"| {b} | {s} | {d} | {mask} | {e['o']:.3g} | {e['dq']:.3g} | {e['dk']:.3g} | "
+              f"{e['dv']:.3g} | {e['dq_scale']:.3g} | {e['dk_scale']:.3g} | {e['dv_scale']:.3g} |")
+    print(f"\n## throughput (TFLOP/s, Hq={HQ} Hkv={HKV} bf16; x = ratio to cuDNN in this run)\n")
+    print("| B | S | D | mask | impl | fwd | x cuDNN | fwd+bwd | x cuDNN | note |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    cudnn = {(r["s"], r["d"], r["mask"]): r for r in rows if r["impl"] == "cudnn"}
+    for r in rows:
+        c = cudnn.get((r["s"], r["d"], r["mask"]), {})
+        cells = []
+        for key in ("fwd", "fwdbwd"):
+            val = r.get(key)
+            cells.append(f"{val:.1f}" if val else "-")
+            cells.append(f"{val / c[key]:.2f}" if val and c.get(key) else "-")
+        print(f"| {r['b']} | {r['s']} | {r['d']} | {r['mask']} | {r['impl']} | "
+              f"{' | '.join(cells)} | {r.get('error', '')} |")
+
+
+if __name__ == "__main__":
+    main()

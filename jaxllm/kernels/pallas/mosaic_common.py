@@ -1,0 +1,162 @@
+"""Building blocks of the Mosaic GPU (Hopper) Pallas kernels: shared-memory tiles in the
+layout wgmma reads, wgmma in float32 (in place or into a fresh accumulator), register
+layouts, and the producer loop of a warp-specialised TMA ring.
+
+Every helper takes `sim`: under JAX's Mosaic GPU simulator (the CPU tests) register
+layouts do not exist, `plgpu.load` and `pl.run_state` are not interpreted, and wgmma
+takes neither register operands nor transposed refs; those helpers then fall back to
+plain array code with the same arithmetic.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def pad_axis(x, axis: int, size: int):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def cdiv_nonneg(x, m: int):
+    """ceil(max(x, 0) / m) for an int32 scalar (lax.div truncates, so keep x >= 0)."""
+    return lax.div(jnp.maximum(x, 0) + (m - 1), jnp.int32(m))
+
+
+def floordiv_nonneg(x, m: int):
+    return lax.div(jnp.maximum(x, 0), jnp.int32(m))
+
+
+def clip(x, lo, hi):
+    return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def smem(shape, dtype):
+    """Shared memory in the layout wgmma reads: 8 x 64 tiles, 128-byte swizzle."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                plgpu.SwizzleTransform(128)))
+
+
+def bcast_rows(x, shape):
+    """A per-row vector (layout WGMMA.reduce(1)) broadcast along the columns."""
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def bcast_cols(x, shape):
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def layout(x, layout, sim: bool):
+    """Pin a register layout (the simulator has no layouts)."""
+    return x if sim else plgpu.layout_cast(x, layout)
+
+
+def iota(shape, dim, sim: bool):
+    if sim:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def dot(a, b, *, sim: bool, acc=None, trans_b: bool = False, a_ref: bool = True,
+         during=None):
+    """acc + a @ b (b^T when trans_b) in float32 with wgmma; acc None starts from zero.
+
+    a is an SMEM ref (a_ref) or a register array, b an SMEM ref. `during` runs after
+    the wgmma is issued and before it is awaited. With an acc, the product accumulates in
+    place (`pl.run_state`). The simulator's wgmma takes neither register operands nor
+    transposed refs, so there the operands are read and multiplied as arrays.
+    """
+    if sim:
+        av = a[...] if a_ref else a
+        dims = ((1,), (1,)) if trans_b else ((1,), (0,))
+        r = lax.dot_general(av, b[...], (dims, ((), ())), preferred_element_type=jnp.float32)
+        if during is not None:
+            during()
+        return r if acc is None else acc + r
+    bb = b.transpose((1, 0)) if trans_b else b
+    if acc is None:
+        m, n = a.shape[0], (b.shape[0] if trans_b else b.shape[1])
+
+        def fresh(ref):
+            plgpu.wgmma(ref, a, bb)
+            if during is not None:
+                during()
+            return ref[...]
+        return pl.run_scoped(fresh, plgpu.ACC((m, n), jnp.float32))
+
+    def body(ref):
+        plgpu.wgmma(ref, a, bb)
+        if during is not None:
+            during()
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def load_vec(ref, layout, sim: bool):
+    """A 1-D float32 SMEM vector as a register array in `layout` (the simulator has no
+    `plgpu.load`)."""
+    if sim:
+        return ref[...]
+    try:  # jax >= 0.11 takes no index (and deprecates passing one)
+        return plgpu.load(ref, layout=layout)
+    except TypeError:
+        return plgpu.load(ref, (), layout=layout)
+
+
+def zeros(shape, sim: bool):
+    return layout(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA, sim)
+
+
+def produce(n_steps, stages, groups):
+    """Producer loop: step s of [0, n_steps) goes to ring slot s % stages once it is free.
+
+    groups: list of (loaded barriers, free barriers, [(src_fn(step) -> GMEM ref, ring)]);
+    the copies of one group share its barriers (loaded counts one arrival per copy).
+    """
+    def issue(step, slot, wait_free):
+        for loaded, free, copies in groups:
+            if wait_free:
+                plgpu.barrier_wait(free.at[slot])
+            for src_fn, ring in copies:
+                plgpu.copy_gmem_to_smem(src_fn(step), ring.at[slot], loaded.at[slot])
+
+    for i in range(stages):
+        pl.when(i < n_steps)(functools.partial(issue, i, i, False))
+
+    @pl.loop(0, jnp.maximum(n_steps - stages, 0))
+    def _(s):
+        issue(s + stages, lax.rem(s, jnp.int32(stages)), True)
+
+    # Drain: see the consumers release the last slots, so that every thread that waits
+    # on a barrier has observed all of its phases when the kernel ends.
+    @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+    def _(s):
+        for _, free, _ in groups:
+            plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
+
+
+def compiler_params():
+    return plgpu.CompilerParams(approx_math=True)
+
+
+def interpret_params(interpret):
+    if not interpret:
+        return None
+    params = getattr(plgpu, "InterpretGPUParams", None)  # public from jax 0.11
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
