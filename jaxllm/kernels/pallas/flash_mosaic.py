@@ -292,8 +292,17 @@ def unsupported_reason(q, k, v) -> str | None:
     return None
 
 
-def _block_sizes(kwargs: dict) -> BlockSizes:
-    bs = kwargs.pop("block_sizes", None) or BlockSizes()
+def default_block_sizes(head_dim: int) -> BlockSizes:
+    """Tiles that fit Hopper's 227 KiB of shared memory a CTA. At D = 256 the forward
+    streams 64-key tiles (Q 64 KiB + a 2-stage K/V ring 128 KiB) and the backward runs
+    one compute warpgroup a CTA (its owned tiles 64 KiB + the streamed ring 128 KiB)."""
+    if head_dim >= 256:
+        return BlockSizes(block_kv=64, compute_wgs_bwd=1)
+    return BlockSizes()
+
+
+def _block_sizes(head_dim: int, kwargs: dict) -> BlockSizes:
+    bs = kwargs.pop("block_sizes", None) or default_block_sizes(head_dim)
     if not isinstance(bs, BlockSizes):
         raise ValueError(f"block_sizes must be a flash_mosaic.BlockSizes; got {type(bs).__name__}")
     names = {f.name for f in dataclasses.fields(BlockSizes)}
@@ -321,7 +330,7 @@ def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | 
     if why:
         raise ValueError(why)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    bs = _block_sizes(dict(kwargs))
+    bs = _block_sizes(q.shape[-1], dict(kwargs))
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     return _flash(q, k, v, bool(causal), scale, bs, bool(interpret))
