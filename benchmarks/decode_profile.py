@@ -65,13 +65,18 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--stacked", action="store_true", help="keep the scanned layer stack")
+    ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up separate")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; batch {args.batch}, "
-          f"prompt {args.prompt_len}, chunk {args.chunk}", flush=True)
+          f"prompt {args.prompt_len}, chunk {args.chunk}, "
+          f"{'stacked' if args.stacked else 'per-layer'} weights"
+          f"{'' if args.stacked or args.no_fuse else ', q/k/v and gate/up fused'}; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     model = build_model(cfg.model, rngs=nnx.Rngs(0))
-    graphdef, params = inference_params(model, cfg, unstack=not args.stacked)
+    graphdef, params = inference_params(model, cfg, unstack=not args.stacked,
+                                        fuse=not args.no_fuse)
     del model
     rng = np.random.default_rng(0)
     b, plen = args.batch, args.prompt_len

@@ -38,9 +38,10 @@ def hbm_bandwidth() -> float | None:
     return next((bw for name, bw in HBM_DATASHEET.items() if name in kind), None)
 
 
-def bench_train(config: str, impl: str, remat: str, batch: int, steps: int) -> dict:
+def bench_train(config: str, impl: str, remat: str, batch: int, steps: int,
+                overrides=()) -> dict:
     run_dir = tempfile.mkdtemp(prefix="bench_train_")
-    cfg = load_config(config, [f"model.attention_impl={impl}", f"model.remat={remat}",
+    cfg = load_config(config, list(overrides) + [f"model.attention_impl={impl}", f"model.remat={remat}",
                                f"train.batch_size={batch}", f"train.steps={steps}",
                                "train.log_every=10", f"train.eval_every={10 * steps}",
                                "train.progress=false", "checkpoint.enabled=false",
@@ -58,11 +59,14 @@ def bench_train(config: str, impl: str, remat: str, batch: int, steps: int) -> d
             "mfu": mfu, "wall_s": wall}
 
 
-def bench_decode(config: str, batch: int, prompt_len: int, new_tokens: int, unstack: bool,
-                 chunk: int) -> dict:
-    cfg = load_config(config)
+LAYER_FORMS = {0: "stacked", 1: "per-layer", 2: "per-layer, fused"}
+
+
+def bench_decode(config: str, batch: int, prompt_len: int, new_tokens: int, form: int,
+                 chunk: int, overrides=()) -> dict:
+    cfg = load_config(config, list(overrides))
     model = build_model(cfg.model, rngs=nnx.Rngs(0))
-    graphdef, params = inference_params(model, cfg, unstack=unstack)
+    graphdef, params = inference_params(model, cfg, unstack=form > 0, fuse=form > 1)
     del model
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, 256, size=(batch, prompt_len)).tolist()
@@ -74,7 +78,7 @@ def bench_decode(config: str, batch: int, prompt_len: int, new_tokens: int, unst
     kv_bytes = 2 * m.n_layers * ctx * m.n_kv_heads * m.resolved_head_dim * 2 * batch
     bw = hbm_bandwidth()
     floor = (weight_bytes + kv_bytes) / bw if bw else float("nan")
-    return {"batch": batch, "unstack": unstack, "ttft_ms": 1e3 * t["ttft_s"],
+    return {"batch": batch, "layers": LAYER_FORMS[form], "ttft_ms": 1e3 * t["ttft_s"],
             "tpot_ms": 1e3 * t["tpot_s"], "tokens_per_s": batch / t["tpot_s"],
             "roofline_pct": 100 * floor / t["tpot_s"], "compile_s": t["compile_s"]}
 
@@ -86,12 +90,14 @@ def main():
     ap.add_argument("--variants", default="cudnn:none:16",
                     help="comma-separated impl:remat:batch training variants ('' for none)")
     ap.add_argument("--decode-batches", default="1,32")
-    ap.add_argument("--unstack", default="0,1",
-                    help="decode with stacked (0) and/or per-layer (1) weights")
+    ap.add_argument("--unstack", default="0,2",
+                    help="decode with stacked (0), per-layer (1) and/or per-layer weights "
+                         "with q/k/v and gate/up joined (2)")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--out", default=None, help="write all results as JSON here")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.decode_impl=xla")
     args = ap.parse_args()
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
 
@@ -99,13 +105,13 @@ def main():
     for i, v in enumerate(filter(None, args.variants.split(","))):
         impl, remat, batch = v.split(":")
         steps = args.steps if i == 0 else min(args.steps, 60)
-        row = bench_train(args.config, impl, remat, int(batch), steps)
+        row = bench_train(args.config, impl, remat, int(batch), steps, args.overrides)
         print("train", row, flush=True)
         train_rows.append(row)
     for b in filter(None, args.decode_batches.split(",")):
         for u in args.unstack.split(","):
             row = bench_decode(args.config, int(b), args.prompt_len, args.new_tokens,
-                               bool(int(u)), args.chunk)
+                               int(u), args.chunk, args.overrides)
             print("decode", row, flush=True)
             decode_rows.append(row)
 
@@ -121,7 +127,7 @@ def main():
     print("\n| decode batch | layers | TTFT ms | TPOT ms | tokens/s | % HBM roofline |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in decode_rows:
-        print(f"| {r['batch']} | {'per-layer' if r['unstack'] else 'stacked'} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.3f} | "
+        print(f"| {r['batch']} | {r['layers']} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.3f} | "
               f"{r['tokens_per_s']:,.0f} | {r['roofline_pct']:.0f}% |")
 
 

@@ -19,6 +19,7 @@ import yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas_triton", "pallas_mosaic")
+DECODE_IMPLS = ("auto", "xla", "pallas_triton")
 # model.rope_scaling: the keys each rope_type takes (Llama 3.1 frequency scaling)
 ROPE_SCALING_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                 "original_max_position_embeddings")}
@@ -43,6 +44,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     attention_impl: str = "auto"
+    decode_impl: str = "auto"  # cached decoding: "auto", "xla" or "pallas_triton"
     dtype: str = "float32"  # compute dtype of matmuls
     param_dtype: str = "float32"
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
@@ -143,6 +145,7 @@ class InferenceConfig:
     speculative: dict = field(default_factory=lambda: {"method": "none"})
     decode_chunk: int = 16  # tokens decoded on the device between host syncs (streaming)
     unstack_layers: bool = True  # decode with per-layer weight arrays and an unrolled loop
+    fuse_projections: bool = True  # with unstack_layers: q/k/v and gate/up weights joined
 
 
 @dataclass(frozen=True)
@@ -334,6 +337,9 @@ def validate(cfg: Config) -> None:
     if m.attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(f"model.attention_impl={m.attention_impl!r} is unknown; "
                           f"choose one of {ATTENTION_IMPLS}")
+    if m.decode_impl not in DECODE_IMPLS:
+        raise ConfigError(f"model.decode_impl={m.decode_impl!r} is unknown; "
+                          f"choose one of {DECODE_IMPLS}")
 
     p = cfg.parallelism
     for name in ("pp", "dp", "fsdp", "ep", "cp", "tp"):

@@ -43,17 +43,30 @@ def test_causal_masking(kv):
     assert np.abs(np.asarray(a[:, cut:] - b[:, cut:])).max() > 1e-3
 
 
-# MHA, GQA, MQA; GQA also with unstacked layers (a Python layer loop, per-layer caches)
-@pytest.mark.parametrize("kv,unstack", [(4, False), (2, False), (2, True), (1, False)])
-def test_cached_decode_matches_full_forward(kv, unstack):
-    model, _ = _model(f"model.n_kv_heads={kv}", seed=kv)
+# MHA, GQA, MQA; GQA also in the decode forms: unstacked layers (a Python layer loop,
+# per-layer caches), and those with q/k/v and gate/up weights joined
+# ("kernel": the Pallas decode kernel, interpreted on the CPU, reads the cache)
+@pytest.mark.parametrize("kv,form", [(4, "stacked"), (2, "stacked"), (2, "unstacked"),
+                                     (2, "fused"), (2, "kernel"), (1, "stacked")])
+def test_cached_decode_matches_full_forward(kv, form):
+    impl = "pallas_triton" if form == "kernel" else "auto"
+    model, _ = _model(f"model.n_kv_heads={kv}", "model.qkv_bias=true",
+                      f"model.decode_impl={impl}", seed=kv)
+    graphdef, state = nnx.split(model)  # random biases (they start at zero)
+    state = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.1 * jax.random.normal(jax.random.key(7), x.shape, x.dtype)
+        if "bias" in jax.tree_util.keystr(path) else x, state)
+    model = nnx.merge(graphdef, state)
     b, s, prompt = 2, 14, 5
     tokens = _tokens(jax.random.key(kv), b, s)
     full = model(tokens)
-    if unstack:
+    if form != "stacked":
         model.unstack_layers()
+    if form in ("fused", "kernel"):
+        model.fuse_projections()
+        assert model.blocks[0].attn.q is None and model.blocks[0].mlp.gate_up is not None
     cache = model.init_cache(b, 32)
-    assert cache.per_layer == unstack and cache.max_len == 32
+    assert cache.per_layer == (form != "stacked") and cache.max_len == 32
     logits, cache = model.forward_cached(tokens[:, :prompt], cache, jnp.zeros(b, jnp.int32),
                                          prefill=True)
     got = [logits]

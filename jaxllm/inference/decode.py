@@ -33,16 +33,21 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
-def inference_params(model, cfg: Config, unstack: bool | None = None):
+def inference_params(model, cfg: Config, unstack: bool | None = None,
+                     fuse: bool | None = None):
     """(graphdef, params) for decoding, parameters cast to the compute dtype once.
 
     With `unstack` (default: inference.unstack_layers) every layer's weights become
-    separate arrays and the layer loop a Python loop (Decoder.unstack_layers). The
-    caller's model is left as it is.
+    separate arrays and the layer loop a Python loop (Decoder.unstack_layers); with `fuse`
+    too (default: inference.fuse_projections) each layer's q/k/v and gate/up weights are
+    joined (Decoder.fuse_projections). The caller's model is left as it is.
     """
     graphdef, state = nnx.split(model)
     if cfg.inference.unstack_layers if unstack is None else unstack:
-        graphdef, state = nnx.split(nnx.merge(graphdef, state).unstack_layers())
+        decode_model = nnx.merge(graphdef, state).unstack_layers()
+        if cfg.inference.fuse_projections if fuse is None else fuse:
+            decode_model.fuse_projections()
+        graphdef, state = nnx.split(decode_model)
     params = nnx.to_pure_dict(state)
     dtype = as_dtype(cfg.model.dtype)
     params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)

@@ -333,8 +333,10 @@ class PagedKV(NamedTuple):
         k_pool, v_pool = write_layer(self.k, self.v, layer, k, v, slots)
         return PagedKV(k_pool, v_pool, self.block_tables)
 
-    def attend(self, layer, q, positions, window: int | None = None):
-        """Queries q (B, S, Hq, D) at `positions` over the cached keys of layer `layer`.
+    def attend(self, layer, q, positions, window: int | None = None, impl: str = "auto"):
+        """Queries q (B, S, Hq, D) at `positions` over the cached keys of layer `layer`
+        (`impl`, the model's decode_impl, is for the contiguous cache; pages take the paged
+        kernel).
 
         One token per row (decoding) runs the paged kernel on the pool in place; several
         (verifying speculative drafts) gather the rows' pages and mask by position.

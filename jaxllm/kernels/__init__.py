@@ -1,4 +1,5 @@
-"""Attention kernels behind one interface each: `flash_attention` and `paged_attention`.
+"""Attention kernels behind one interface each: `flash_attention`, `paged_attention` and
+`decode_attention` (a few new tokens over a contiguous KV cache).
 
 `impl` picks the implementation; "auto" takes the fastest correct one for the device.
 Pallas implementations live in `kernels/pallas/` and register themselves here lazily,
@@ -16,6 +17,7 @@ from jaxllm.kernels import reference
 
 FLASH_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas_triton", "pallas_mosaic")
 PAGED_IMPLS = ("auto", "reference", "pallas_triton")
+DECODE_IMPLS = ("auto", "xla", "pallas_triton")
 
 # name -> "module:function"; resolved on first use. A module that fails to import, or a
 # backend the current device cannot run, makes the impl unavailable (with the reason).
@@ -29,6 +31,10 @@ _FLASH_TABLE = {
 _PAGED_TABLE = {
     "reference": "jaxllm.kernels.reference:paged_attention",
     "pallas_triton": "jaxllm.kernels.pallas.paged_triton:paged_attention",
+}
+_DECODE_TABLE = {
+    "xla": "jaxllm.kernels.reference:decode_attention",  # einsums; XLA fuses the masking
+    "pallas_triton": "jaxllm.kernels.pallas.paged_triton:decode_attention",
 }
 
 
@@ -108,9 +114,10 @@ def _pick(table, name, valid, auto_order, args=()):
 
 def _flash_auto_order() -> list[str]:
     # The fastest correct implementation measured on the H200 first (docs/benchmarks.md:
-    # cuDNN leads our Triton kernel by ~1.3x); the reference on the CPU.
+    # cuDNN leads our Triton kernel by ~1.3x); the reference on the CPU. pallas_mosaic
+    # goes first once it measures faster than cuDNN.
     if _platform() == "gpu":
-        return ["pallas_mosaic", "cudnn", "pallas_triton", "xla"]
+        return ["cudnn", "pallas_mosaic", "pallas_triton", "xla"]
     return ["reference"]
 
 
@@ -186,5 +193,34 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     return fn(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, **kwargs)
 
 
-__all__ = ["flash_attention", "paged_attention", "available_flash_impls",
-           "available_paged_impls", "FLASH_IMPLS", "PAGED_IMPLS"]
+def _decode_auto_order() -> list[str]:
+    # on the GPU one kernel launch per layer instead of XLA's einsum / softmax / einsum
+    # chain (docs/benchmarks.md, decode); on the CPU the einsums
+    return ["pallas_triton", "xla"] if _platform() == "gpu" else ["xla"]
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
+                     impl: str = "auto", **kwargs):
+    """New tokens over a contiguous KV cache: decoding (S = 1) and speculative verification.
+
+    q [B, S, Hq, D]: row b's S new tokens sit at positions lengths[b] - S .. lengths[b] - 1
+    and are already written to the cache; query s sees keys 0 .. lengths[b] - S + s.
+    k_cache/v_cache [B, Hkv, T, D] (model.attention.KVCache's per-layer layout);
+    lengths int32 [B], S <= lengths[b] <= T. -> [B, S, Hq, D].
+    """
+    if q.ndim != 4 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"decode_attention wants q [B, S, Hq, D] and k/v [B, Hkv, T, D]; got "
+                         f"q{q.shape} k{k_cache.shape} v{v_cache.shape}")
+    b, _, hq, d = q.shape
+    if k_cache.shape[0] != b or k_cache.shape[3] != d or hq % k_cache.shape[1]:
+        raise ValueError(f"q{q.shape} does not fit the cache {k_cache.shape}: batch and "
+                         f"head_dim must match and Hq must be a multiple of Hkv")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be [B]={b}; got {lengths.shape}")
+    sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    fn = _pick(_DECODE_TABLE, impl, DECODE_IMPLS, _decode_auto_order, (q, k_cache))
+    return fn(q, k_cache, v_cache, lengths, sm_scale=sm_scale, **kwargs)
+
+
+__all__ = ["flash_attention", "paged_attention", "decode_attention", "available_flash_impls",
+           "available_paged_impls", "FLASH_IMPLS", "PAGED_IMPLS", "DECODE_IMPLS"]

@@ -69,10 +69,17 @@ class KVCache(NamedTuple):
         return KVCache(self.k.at[layer, rows, :, positions].set(k.astype(self.dtype)),
                        self.v.at[layer, rows, :, positions].set(v.astype(self.dtype)))
 
-    def attend(self, layer, q, positions, window: int | None = None):
-        """Queries q (B, S, Hq, D) at `positions` over the cached keys of layer `layer`."""
-        return cached_attention(q.astype(self.dtype), self.k[layer], self.v[layer],
-                                positions, window)
+    def attend(self, layer, q, positions, window: int | None = None, impl: str = "auto"):
+        """Queries q (B, S, Hq, D) at `positions` over the cached keys of layer `layer`.
+
+        Without a window, the S tokens of a row sit at consecutive positions (decoding,
+        speculative verification): `kernels.decode_attention` with `impl`.
+        """
+        k, v, q = self.k[layer], self.v[layer], q.astype(self.dtype)
+        if window is not None:
+            return cached_attention(q, k, v, positions, window)
+        from jaxllm.kernels import decode_attention
+        return decode_attention(q, k, v, positions[:, -1] + 1, impl=impl)
 
 
 def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None):
@@ -100,7 +107,7 @@ def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None
 class Attention(nnx.Module):
     def __init__(self, *, d_model, n_heads, n_kv_heads, head_dim, rope_theta, attention_impl,
                  qkv_bias=False, rope_scaling=None, sliding_window=None, dtype, param_dtype,
-                 rngs, std, out_std):
+                 rngs, std, out_std, decode_impl="auto"):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.q = Linear((d_model,), (n_heads, head_dim), ("embed", "q_heads", "head_dim"),
                         "bsd,dhk->bshk", std=std, bias=qkv_bias, **kw)
@@ -110,9 +117,27 @@ class Attention(nnx.Module):
                         "bsd,dhk->bshk", std=std, bias=qkv_bias, **kw)
         self.o = Linear((n_heads, head_dim), (d_model,), ("q_heads", "head_dim", "embed"),
                         "bshk,hkd->bsd", std=out_std, **kw)
-        self.rope_theta, self.impl = rope_theta, attention_impl
+        self.qkv = nnx.data(None)  # decode form, see fuse_projections
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.rope_theta, self.impl, self.decode_impl = rope_theta, attention_impl, decode_impl
         self.rope_scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
         self.window = sliding_window
+
+    def fuse_projections(self):
+        """Decode form: q, k and v become one [d, Hq + 2 Hkv, D] weight, read by one matmul
+        (at batch 1 a decode step is a chain of small weight reads; fewer, larger ones get
+        closer to the memory bandwidth)."""
+        if self.qkv is None:
+            self.qkv = Linear.fused([self.q, self.k, self.v], 1, ("embed", None, "head_dim"),
+                                    "bsd,dhk->bshk")
+            self.q = self.k = self.v = None
+        return self
+
+    def _project(self, x):
+        if self.qkv is None:
+            return self.q(x), self.k(x), self.v(x)
+        qkv, hq, hkv = self.qkv(x), self.n_heads, self.n_kv_heads  # (B, S, Hq + 2 Hkv, D)
+        return qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
 
     def _self_attention(self, q, k, v, positions):
         """Causal attention of the new tokens over themselves (positions 0..S-1)."""
@@ -131,14 +156,14 @@ class Attention(nnx.Module):
           tokens alone (the flash kernel) is exact;
         - otherwise the queries attend over the cache, keys after each query masked.
         """
-        q = apply_rope(self.q(x), positions, self.rope_theta, self.rope_scaling)  # (B,S,Hq,D)
-        k = apply_rope(self.k(x), positions, self.rope_theta, self.rope_scaling)  # (B,S,Hkv,D)
-        v = self.v(x)
+        q, k, v = self._project(x)
+        q = apply_rope(q, positions, self.rope_theta, self.rope_scaling)  # (B, S, Hq, D)
+        k = apply_rope(k, positions, self.rope_theta, self.rope_scaling)  # (B, S, Hkv, D)
         if cache is None:
             return self.o(self._self_attention(q, k, v, positions)), None
         cache = cache.update(layer, k, v, positions)
         if prefill:
             o = self._self_attention(q, k, v, positions)
         else:
-            o = cache.attend(layer, q, positions, self.window)
+            o = cache.attend(layer, q, positions, self.window, self.decode_impl)
         return self.o(o), cache

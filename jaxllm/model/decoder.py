@@ -31,7 +31,8 @@ class Block(nnx.Module):
                               n_kv_heads=cfg.n_kv_heads, head_dim=cfg.resolved_head_dim,
                               rope_theta=cfg.rope_theta, attention_impl=cfg.attention_impl,
                               qkv_bias=cfg.qkv_bias, rope_scaling=cfg.rope_scaling,
-                              sliding_window=cfg.sliding_window, dtype=dtype,
+                              sliding_window=cfg.sliding_window,
+                              decode_impl=cfg.decode_impl, dtype=dtype,
                               param_dtype=pdtype, rngs=rngs, std=cfg.init_std, out_std=out_std)
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
         self.mlp = MLP(cfg.d_model, cfg.mlp_dim, dtype=dtype, param_dtype=pdtype, rngs=rngs,
@@ -131,6 +132,21 @@ class Decoder(nnx.Module):
             graphdef, state = nnx.split(self.blocks)
             self.blocks = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
                                     for i in range(self.cfg.n_layers)])
+        return self
+
+    def fuse_projections(self) -> "Decoder":
+        """Join q/k/v and gate/up weights (per layer, and in the MTP modules), in place.
+
+        For decoding, after `unstack_layers`: each layer then reads its weights in three
+        matmuls (qkv, gate_up, down) plus the output projection instead of six. The
+        numbers are the same; training keeps the separate weights.
+        """
+        if not isinstance(self.blocks, nnx.List):
+            raise ValueError("fuse_projections needs unstacked layers: call unstack_layers()")
+        blocks = list(self.blocks) + ([m.block for m in self.mtp.layers] if self.mtp else [])
+        for block in blocks:
+            block.attn.fuse_projections()
+            block.mlp.fuse_projections()
         return self
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:

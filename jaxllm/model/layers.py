@@ -37,13 +37,36 @@ class Linear(nnx.Module):
     """y = x @ W with W [*in_shape, *out_shape]; `spec` is the einsum, e.g. 'bsd,dhk->bshk'."""
 
     def __init__(self, in_shape, out_shape, axes, spec: str, *, dtype, param_dtype,
-                 rngs: nnx.Rngs, std: float, bias: bool = False):
-        shape = tuple(in_shape) + tuple(out_shape)
-        self.kernel = param(rngs, shape, axes, param_dtype, std=std)
-        self.bias = (param(rngs, tuple(out_shape), axes[len(in_shape):], param_dtype, value=0.0)
-                     if bias else None)
+                 rngs: nnx.Rngs | None = None, std: float | None = None, bias: bool = False,
+                 init: tuple | None = None):
+        """`init`: (kernel, bias or None) arrays to take instead of a random init."""
+        shape, n_in = tuple(in_shape) + tuple(out_shape), len(in_shape)
+        if init is not None:
+            kernel, b = init
+            assert kernel.shape == shape, (kernel.shape, shape)
+            self.kernel = nnx.Param(kernel, out_sharding=tuple(axes), eager_sharding=False)
+            self.bias = (None if b is None else
+                         nnx.Param(b, out_sharding=tuple(axes[n_in:]), eager_sharding=False))
+        else:
+            self.kernel = param(rngs, shape, axes, param_dtype, std=std)
+            self.bias = (param(rngs, tuple(out_shape), axes[n_in:], param_dtype, value=0.0)
+                         if bias else None)
         self.spec, self.dtype = spec, dtype
-        self.out_axes = tuple(axes[len(in_shape):])
+        self.out_axes = tuple(axes[n_in:])
+
+    @classmethod
+    def fused(cls, parts: list["Linear"], axis: int, axes, spec: str, stack: bool = False):
+        """One Linear whose kernel joins the kernels of `parts` along kernel axis `axis`
+        (concatenated, or stacked on a new axis there): the input is read once and all the
+        weights by one matmul. Biases are joined the same way."""
+        first = parts[0]
+        join = jnp.stack if stack else jnp.concatenate
+        kernel = join([p.kernel[...] for p in parts], axis=axis)
+        n_in = first.kernel[...].ndim - len(first.out_axes)
+        bias = (None if first.bias is None else
+                join([p.bias[...] for p in parts], axis=axis - n_in))
+        return cls(kernel.shape[:n_in], kernel.shape[n_in:], axes, spec, dtype=first.dtype,
+                   param_dtype=kernel.dtype, init=(kernel, bias))
 
     def __call__(self, x):
         y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
@@ -121,5 +144,18 @@ class MLP(nnx.Module):
         self.down = Linear((mlp_dim,), (d_model,), ("mlp", "embed"), "bsm,md->bsd", std=out_std,
                            **kw)
 
+        self.gate_up = nnx.data(None)  # decode form, see fuse_projections
+
+    def fuse_projections(self):
+        """Decode form: gate and up become one [d, 2, mlp] weight, read by one matmul."""
+        if self.gate_up is None:
+            self.gate_up = Linear.fused([self.gate, self.up], 1, ("embed", None, "mlp"),
+                                        "bsd,dtm->bstm", stack=True)
+            self.gate = self.up = None
+        return self
+
     def __call__(self, x):
+        if self.gate_up is not None:
+            y = self.gate_up(x)  # (B, S, 2, mlp)
+            return self.down(jax.nn.silu(y[:, :, 0]) * y[:, :, 1])
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))

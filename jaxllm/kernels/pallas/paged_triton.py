@@ -8,6 +8,11 @@ with masked loads (tokens past the sequence length are never read), and an onlin
 softmax in float32 (base-2 exponentials) accumulates the output. Every K/V page is read
 once per kv head, whatever the group size.
 
+`decode_attention` runs the same kernel over a contiguous cache [B, Hkv, T, D]: a row's
+"pages" are then its own consecutive blocks (no table), and the S new tokens of a
+speculative verify share the program with their group (S x G query rows, each masked at
+its own position).
+
 Long contexts are split across programs (flash-decoding): each split writes its
 normalised partial output and log-sum-exp, and a small jnp epilogue merges them. With a
 single split the kernel writes the final output directly.
@@ -34,12 +39,17 @@ _MIN_ROWS = 16  # tl.dot wants at least 16 rows
 def _decode_kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref,
                    group: int, kv_heads: int,
                    page_size: int, pages_per_step: int, pages_per_split: int, n_table: int,
-                   scale_log2: float, allow_tf32: bool):
+                   scale_log2: float, allow_tf32: bool, q_len: int = 1,
+                   contiguous: bool = False):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kv_row = layer_ref[0] * kv_heads + h  # k/v are [layers * Hkv, tokens, D]
+    # k/v are [layers * Hkv, tokens, D] (paged) or [B * Hkv, tokens, D] (contiguous)
+    kv_row = (b if contiguous else layer_ref[0]) * kv_heads + h
     rows, head_dim = q_ref.shape
     block_k = pages_per_step * page_size
-    row_ok = jnp.arange(rows) < group
+    # row r = s * group + g: query s of the q_len consecutive new tokens, head g of the
+    # group; query s sees the first length - (q_len - 1 - s) tokens
+    row_ok = jnp.arange(rows) < group * q_len
+    row_skip = q_len - 1 - jnp.arange(rows) // group  # [rows]
 
     length = jnp.minimum(lengths_ref[b], n_table * page_size)
     first_page = split * pages_per_split
@@ -53,8 +63,12 @@ def _decode_kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_re
     def step(i, carry):
         acc, m, l = carry
         page_pos = first_page + i * pages_per_step + tok // page_size  # [block_k]
-        valid = page_pos * page_size + tok % page_size < length
-        page = pltriton.load(tables_ref.at[b, page_pos], mask=valid, other=0)
+        token = page_pos * page_size + tok % page_size
+        valid = token < length
+        if contiguous:  # the "pages" of a row are its own consecutive blocks
+            page = page_pos
+        else:
+            page = pltriton.load(tables_ref.at[b, page_pos], mask=valid, other=0)
         kv_rows = jnp.broadcast_to((page * page_size + tok % page_size)[:, None],
                                    (block_k, head_dim))
         kv_mask = jnp.broadcast_to(valid[:, None], (block_k, head_dim))
@@ -63,10 +77,16 @@ def _decode_kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_re
 
         # scores [rows, block_k] in log2 units
         s = pltriton.dot(q, k, trans_b=True, allow_tf32=allow_tf32) * scale_log2
-        s = jnp.where(valid[None, :], s, _NEG)
+        if q_len == 1:
+            seen = jnp.broadcast_to(valid[None, :], s.shape)
+        else:
+            seen = token[None, :] < (length - row_skip)[:, None]
+        s = jnp.where(seen, s, _NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
+        if q_len > 1:  # a row can see none of this block's keys (its m_new still _NEG)
+            p = jnp.where(seen, p, 0.0)
         l = l * corr + p.sum(axis=1)
         acc = acc * corr[:, None] + pltriton.dot(p.astype(v.dtype), v, allow_tf32=allow_tf32)
         return acc, m_new, l
@@ -82,6 +102,14 @@ def _decode_kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_re
     if lse_ref:
         lse = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * _LN2, -jnp.inf)
         pltriton.store(lse_ref[0], lse, mask=row_ok)
+
+
+def unsupported_reason(q, *_) -> str | None:
+    """Why the kernel cannot take q (None if it can); `auto` then picks another impl."""
+    d = q.shape[-1]
+    if d & (d - 1) or d < 16:
+        return f"head_dim={d} is not a power of two >= 16"
+    return None
 
 
 def _sm_count() -> int:
@@ -105,6 +133,72 @@ def merge_partials(o_parts, lse_parts):
     den = w.sum(axis=-2)
     num = (w[..., None] * o_parts).sum(axis=-3)
     return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def _launch(qg, k_flat, v_flat, layer, lengths, tables, *, kv_heads: int, group: int,
+            q_len: int, page_size: int, n_table: int, contiguous: bool, sm_scale: float,
+            block_k, num_splits, num_warps, num_stages, interpret):
+    """The kernel over qg [B, Hkv, q_len * group, D] -> same shape, in qg's dtype."""
+    batch, _, n_rows, head_dim = qg.shape
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if page_size & (page_size - 1) or head_dim & (head_dim - 1):
+        raise ValueError(f"page_size={page_size} and head_dim={head_dim} must be powers of two "
+                         f"for the pallas_triton paged kernel")
+    if block_k is None:
+        block_k = max(page_size, 128)
+    if block_k % page_size or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} must be a power-of-two multiple of "
+                         f"page_size={page_size}")
+    pages_per_step = block_k // page_size
+    pages_per_step = min(pages_per_step, 1 << max(0, (n_table - 1).bit_length()))
+    n_steps_total = pl.cdiv(n_table, pages_per_step)
+    if num_splits is None:
+        num_splits = _pick_splits(batch, kv_heads, n_steps_total)
+    num_splits = max(1, min(num_splits, n_steps_total))
+    pages_per_split = pl.cdiv(n_steps_total, num_splits) * pages_per_step
+    num_splits = pl.cdiv(n_table, pages_per_split)
+    rows = max(_MIN_ROWS, 1 << (n_rows - 1).bit_length())
+    num_warps = 4 if num_warps is None else num_warps
+    num_stages = 3 if num_stages is None else num_stages
+
+    kernel = functools.partial(
+        _decode_kernel, group=group, kv_heads=kv_heads, page_size=page_size,
+        pages_per_step=pages_per_step, pages_per_split=pages_per_split, n_table=n_table,
+        scale_log2=sm_scale * _LOG2E, q_len=q_len, contiguous=contiguous,
+        allow_tf32=qg.dtype != jnp.float32)  # float32 inputs get float32 products
+    in_specs = [
+        pl.no_block_spec,  # layer: a scalar
+        pl.no_block_spec,  # lengths: read as a scalar per program
+        pl.no_block_spec,  # block tables: gathered per step
+        pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+        pl.no_block_spec,  # k: gathered by page
+        pl.no_block_spec,  # v
+    ]
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(qg.shape, qg.dtype)
+        out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, n_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, n_rows), jnp.float32))
+        out_specs = (
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)))
+    kind = "contig" if contiguous else "paged"
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"{kind}_decode_p{page_size}_bk{block_k}_s{num_splits}_q{q_len}",
+    )(layer, lengths.astype(jnp.int32), tables.astype(jnp.int32), qg, k_flat, v_flat)
+    if num_splits > 1:
+        out = merge_partials(*out).astype(qg.dtype)
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_splits", "num_warps",
@@ -136,69 +230,47 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     batch, hq, head_dim = q.shape
     rows_total, num_pages, page_size, _ = k_pages.shape
-    n_table = block_tables.shape[1]
     group = hq // kv_heads
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    if page_size & (page_size - 1) or head_dim & (head_dim - 1):
-        raise ValueError(f"page_size={page_size} and head_dim={head_dim} must be powers of two "
-                         f"for the pallas_triton paged kernel")
-
-    if block_k is None:
-        block_k = max(page_size, 128)
-    if block_k % page_size or block_k & (block_k - 1):
-        raise ValueError(f"block_k={block_k} must be a power-of-two multiple of "
-                         f"page_size={page_size}")
-    pages_per_step = block_k // page_size
-    pages_per_step = min(pages_per_step, 1 << max(0, (n_table - 1).bit_length()))
-    n_steps_total = pl.cdiv(n_table, pages_per_step)
-    if num_splits is None:
-        num_splits = _pick_splits(batch, kv_heads, n_steps_total)
-    num_splits = max(1, min(num_splits, n_steps_total))
-    pages_per_split = pl.cdiv(n_steps_total, num_splits) * pages_per_step
-    num_splits = pl.cdiv(n_table, pages_per_split)
-    rows = max(_MIN_ROWS, 1 << (group - 1).bit_length())
-    if num_warps is None:
-        num_warps = 4
-    if num_stages is None:
-        num_stages = 3
-
-    kernel = functools.partial(
-        _decode_kernel, group=group, kv_heads=kv_heads, page_size=page_size,
-        pages_per_step=pages_per_step, pages_per_split=pages_per_split, n_table=n_table,
-        scale_log2=sm_scale * _LOG2E,
-        allow_tf32=q.dtype != jnp.float32)  # float32 inputs get float32 products
-    qg = q.reshape(batch, kv_heads, group, head_dim)
-    k_flat = k_pages.reshape(rows_total, num_pages * page_size, head_dim)
-    v_flat = v_pages.reshape(rows_total, num_pages * page_size, head_dim)
-    in_specs = [
-        pl.no_block_spec,  # layer: a scalar
-        pl.no_block_spec,  # lengths: read as a scalar per program
-        pl.no_block_spec,  # block tables: gathered per step
-        pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
-        pl.no_block_spec,  # k: gathered by page
-        pl.no_block_spec,  # v
-    ]
-    if num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), q.dtype)
-        out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
-    else:
-        out_shape = (
-            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, group, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, group), jnp.float32))
-        out_specs = (
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)))
-    out = pl.pallas_call(
-        kernel,
-        grid=(batch, kv_heads, num_splits),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"paged_decode_p{page_size}_bk{block_k}_s{num_splits}",
-    )(layer, lengths.astype(jnp.int32), block_tables.astype(jnp.int32), qg, k_flat, v_flat)
-    if num_splits > 1:
-        out = merge_partials(*out).astype(q.dtype)
+    out = _launch(
+        q.reshape(batch, kv_heads, group, head_dim),
+        k_pages.reshape(rows_total, num_pages * page_size, head_dim),
+        v_pages.reshape(rows_total, num_pages * page_size, head_dim),
+        layer, lengths, block_tables, kv_heads=kv_heads, group=group, q_len=1,
+        page_size=page_size, n_table=block_tables.shape[1], contiguous=False,
+        sm_scale=sm_scale, block_k=block_k, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret)
     return out.reshape(batch, hq, head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_splits", "num_warps",
+                                             "num_stages", "interpret"))
+def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float,
+                     block_k: int | None = None, num_splits: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     interpret: bool | None = None):
+    """A few new queries per row over a contiguous cache (decode, speculative verify).
+
+    q [B, S, Hq, D]: the S new tokens of row b sit at positions lengths[b] - S ..
+    lengths[b] - 1, and query s sees cache keys 0 .. lengths[b] - S + s (causal).
+    k/v cache [B, Hkv, T, D] (the layout of model.attention.KVCache). -> [B, S, Hq, D].
+    The same kernel as `paged_attention`, each row's blocks being its own consecutive
+    tokens; the S x group queries of a kv head share every K/V read.
+    """
+    batch, q_len, hq, head_dim = q.shape
+    _, kv_heads, max_len, _ = k_cache.shape
+    group = hq // kv_heads
+    if block_k is None:
+        block_k = 128 if max_len >= 128 else max(16, 1 << (max_len - 1).bit_length())
+    qg = (q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+          .reshape(batch, kv_heads, q_len * group, head_dim))
+    lengths = jnp.minimum(lengths.astype(jnp.int32), max_len)
+    out = _launch(
+        qg, k_cache.reshape(batch * kv_heads, max_len, head_dim),
+        v_cache.reshape(batch * kv_heads, max_len, head_dim),
+        jnp.zeros((1,), jnp.int32), lengths, jnp.zeros((batch, 1), jnp.int32),
+        kv_heads=kv_heads, group=group, q_len=q_len, page_size=block_k,
+        n_table=pl.cdiv(max_len, block_k), contiguous=True, sm_scale=sm_scale,
+        block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret)
+    return (out.reshape(batch, kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
+            .reshape(batch, q_len, hq, head_dim))
