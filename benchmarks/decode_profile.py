@@ -16,6 +16,7 @@ import argparse
 import collections
 import glob
 import os
+import re
 import tempfile
 import time
 
@@ -125,12 +126,41 @@ def main(argv=None):
         print("| --- | --- | --- | --- |")
         for name, (count, dur) in rows:
             print(f"| {name} | {count / n:.1f} | {dur / n / 1e3:.2f} | {dur / count / 1e3:.2f} |")
-    print("\nHLO of the top kernels (result shape, operands):")
+    print("\nWhat the top kernels compute (result shape; the jax ops fused into them):")
     for name, _ in rows[:12]:
-        line = next((ln.strip() for ln in hlo.splitlines()
-                     if ln.strip().startswith(f"%{name} = ") or ln.strip().startswith(f"{name} = ")),
-                    None)
-        print(f"  {name}: {line[:260] if line else '(not found)'}")
+        print(f"  {name}: {describe_kernel(hlo, name)}")
+
+
+def describe_kernel(hlo: str, name: str) -> str:
+    """Result shape and source op names of the HLO instruction behind kernel `name`."""
+    base, _, num = name.rpartition("_")  # kernel gemm_fusion_dot_12 is HLO gemm_fusion_dot.12
+    names = {name, f"{base}.{num}"} if num.isdigit() else {name}
+    lines = hlo.splitlines()
+
+    def inst(line):
+        text = line.strip().removeprefix("ROOT ").lstrip("%")
+        return text.split(" = ")[0], text
+
+    for line in lines:
+        iname, text = inst(line)
+        if iname not in names or " = " not in text:
+            continue
+        shape = text.split(" = ", 1)[1].split(" ")[0]
+        calls = re.search(r"calls=%?([\w.\-]+)", text)
+        ops = re.findall(r'op_name="([^"]+)"', text)
+        if calls:  # collect the op names inside the fused computation
+            head = re.compile(rf"^%?{re.escape(calls.group(1))}\s")
+            inside = False
+            for ln in lines:
+                if head.match(ln.strip()):
+                    inside = True
+                elif inside and ln.strip() == "}":
+                    break
+                elif inside:
+                    ops += re.findall(r'op_name="([^"]+)"', ln)
+        short = sorted({o.split("/")[-1] for o in ops})
+        return f"{shape}; {', '.join(short[:8]) or '?'}"
+    return "(not in the compiled HLO)"
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def test_causal_masking(kv):
 
 # MHA, GQA, MQA; GQA also in the decode forms: unstacked layers (a Python layer loop,
 # per-layer caches), and those with q/k/v and gate/up weights joined
-# ("kernel": the Pallas decode kernel, interpreted on the CPU, reads the cache)
+# ("kernel": the Pallas decode-attention and skinny-matmul kernels, interpreted on the CPU)
 @pytest.mark.parametrize("kv,form", [(4, "stacked"), (2, "stacked"), (2, "unstacked"),
                                      (2, "fused"), (2, "kernel"), (1, "stacked")])
 def test_cached_decode_matches_full_forward(kv, form):
@@ -62,8 +62,8 @@ def test_cached_decode_matches_full_forward(kv, form):
     full = model(tokens)
     if form != "stacked":
         model.unstack_layers()
-    if form in ("fused", "kernel"):
-        model.fuse_projections()
+    if form in ("fused", "kernel"):  # "kernel": the skinny matmul kernel too
+        model.fuse_projections("pallas_triton" if form == "kernel" else "xla")
         assert model.blocks[0].attn.q is None and model.blocks[0].mlp.gate_up is not None
     cache = model.init_cache(b, 32)
     assert cache.per_layer == (form != "stacked") and cache.max_len == 32

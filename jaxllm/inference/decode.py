@@ -46,7 +46,7 @@ def inference_params(model, cfg: Config, unstack: bool | None = None,
     if cfg.inference.unstack_layers if unstack is None else unstack:
         decode_model = nnx.merge(graphdef, state).unstack_layers()
         if cfg.inference.fuse_projections if fuse is None else fuse:
-            decode_model.fuse_projections()
+            decode_model.fuse_projections(cfg.inference.matmul_impl)
         graphdef, state = nnx.split(decode_model)
     params = nnx.to_pure_dict(state)
     dtype = as_dtype(cfg.model.dtype)

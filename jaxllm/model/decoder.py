@@ -134,12 +134,14 @@ class Decoder(nnx.Module):
                                     for i in range(self.cfg.n_layers)])
         return self
 
-    def fuse_projections(self) -> "Decoder":
+    def fuse_projections(self, matmul_impl: str = "xla") -> "Decoder":
         """Join q/k/v and gate/up weights (per layer, and in the MTP modules), in place.
 
         For decoding, after `unstack_layers`: each layer then reads its weights in three
         matmuls (qkv, gate_up, down) plus the output projection instead of six. The
-        numbers are the same; training keeps the separate weights.
+        numbers are the same; training keeps the separate weights. `matmul_impl`
+        "pallas_triton" runs these matmuls through the skinny decode kernel
+        (kernels/pallas/matmul_triton.py) whenever a call has at most 16 rows.
         """
         if not isinstance(self.blocks, nnx.List):
             raise ValueError("fuse_projections needs unstacked layers: call unstack_layers()")
@@ -147,6 +149,8 @@ class Decoder(nnx.Module):
         for block in blocks:
             block.attn.fuse_projections()
             block.mlp.fuse_projections()
+            for linear in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down):
+                linear.matmul_impl = matmul_impl  # "pallas_triton": the skinny kernel
         return self
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:

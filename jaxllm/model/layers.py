@@ -53,6 +53,20 @@ class Linear(nnx.Module):
                          if bias else None)
         self.spec, self.dtype = spec, dtype
         self.out_axes = tuple(axes[n_in:])
+        self.matmul_impl = "xla"  # "pallas_triton": the skinny decode kernel for <= 16 rows
+
+    def _skinny(self, x):
+        """x (B, S, *in) @ W as one [B*S, K] x [K, N] skinny matmul, or None if it does not
+        fit the kernel. Every spec here contracts x's trailing axes with W's leading ones."""
+        from jaxllm.kernels.pallas import matmul_triton
+        w = self.kernel[...]
+        n_in = w.ndim - len(self.out_axes)
+        b, s = x.shape[:2]
+        x2 = x.reshape(b * s, -1).astype(self.dtype)
+        w2 = w.reshape(x2.shape[1], -1)
+        if matmul_triton.unsupported_reason(x2, w2) is not None:
+            return None
+        return matmul_triton.skinny_matmul(x2, w2).reshape(b, s, *w.shape[n_in:])
 
     @classmethod
     def fused(cls, parts: list["Linear"], axis: int, axes, spec: str, stack: bool = False):
@@ -69,7 +83,11 @@ class Linear(nnx.Module):
                    param_dtype=kernel.dtype, init=(kernel, bias))
 
     def __call__(self, x):
-        y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        y = None
+        if self.matmul_impl != "xla" and x.shape[0] * x.shape[1] <= 16:
+            y = self._skinny(x)
+        if y is None:
+            y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return constrain(y, ("batch", "seq") + self.out_axes)  # (B, S, *out_shape)

@@ -60,6 +60,14 @@ class BlockSizes:
     block_kv: keys per streamed K/V tile in the forward pass.
     num_stages: depth of the shared-memory ring (>= 2).
     schedule_barrier: ping-pong the two forward warpgroups (FA3 inter-warpgroup overlap).
+    early_k_wait: forward; wait for the next K tile while this tile's PV wgmma runs,
+      instead of at the start of the next step.
+    sum_before_sync: forward; add P's row sums to l and pin (acc, m, l, P) with an
+      optimization barrier before the schedule barrier, so the compiler cannot sink the
+      softmax tail past it.
+    overlap_softmax: forward; FA3 intra-warpgroup overlap: step j issues Q K_j^T and then
+      P_{j-1} V_{j-1} as two async wgmmas, and runs the softmax of tile j while the PV
+      wgmma is still in flight (one more S-sized tile of registers).
     block_q_dq / block_kv_dq, block_q_dkv / block_kv_dkv: the backward kernels' tiles
     (the owned side per warpgroup and the streamed side); compute_wgs_bwd warpgroups a CTA.
     """
@@ -67,6 +75,9 @@ class BlockSizes:
     block_kv: int = 128
     num_stages: int = 2
     schedule_barrier: bool = True
+    early_k_wait: bool = False
+    sum_before_sync: bool = False
+    overlap_softmax: bool = False
     block_q_dq: int = 64
     block_kv_dq: int = 64
     block_q_dkv: int = 64
@@ -77,7 +88,7 @@ class BlockSizes:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             val = getattr(self, f.name)
-            if f.name.startswith("block") and (not isinstance(val, int) or val < 64 or val % 64):
+            if f.name.startswith("block_") and (not isinstance(val, int) or val < 64 or val % 64):
                 raise ValueError(f"{f.name}={val!r} must be a positive multiple of 64")
         if self.num_stages < 2 or self.num_stages_bwd < 2:
             raise ValueError(f"num_stages={self.num_stages} and num_stages_bwd="
@@ -133,13 +144,8 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
             plgpu.barrier_wait(q_bar.at[wg])
             rows = mg.iota((bq, bk), 0, interpret) + (q_base + offset)
 
-            def step(s, carry, masked):
-                acc, m, l = carry
-                slot = lax.rem(s, jnp.int32(stages))
-                plgpu.barrier_wait(k_bar.at[slot])
-
-                sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
-                plgpu.barrier_arrive(k_free.at[slot])
+            def softmax(s, sc, m, masked):
+                """Raw scores of key tile s -> (P in float32, new max m, rescale alpha)."""
                 sc = sc * c  # (bq, bk), log2 units
                 if masked:
                     cols = mg.iota((bq, bk), 1, interpret) + s * bk
@@ -152,17 +158,90 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
                 alpha = jnp.exp2(m - m_use)
                 p = jnp.exp2(sc - mg.bcast_rows(m_use, sc.shape))
+                return p, m_new, alpha
+
+            def wait_next_k(s):
+                if bs.early_k_wait:
+                    nxt = s + 1
+                    pl.when(nxt < my_steps)(
+                        lambda: plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(stages))]))
+
+            def step(s, carry, masked):
+                acc, m, l = carry
+                slot = lax.rem(s, jnp.int32(stages))
+                if not bs.early_k_wait:
+                    plgpu.barrier_wait(k_bar.at[slot])
+
+                sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
+                plgpu.barrier_arrive(k_free.at[slot])
+                p, m_new, alpha = softmax(s, sc, m, masked)
                 acc = acc * mg.bcast_rows(alpha, acc.shape)
                 l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
+                if bs.sum_before_sync:
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                 if bs.schedule_barrier:
                     plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
                 if bs.schedule_barrier:
                     plgpu.barrier_wait(sched)
-                acc = mg.dot(p16, v_smem.at[slot], acc=acc, a_ref=False, sim=interpret)
+                acc = mg.dot(p16, v_smem.at[slot], acc=acc, a_ref=False, sim=interpret,
+                             during=functools.partial(wait_next_k, s) if bs.early_k_wait
+                             else None)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
+
+            # overlap_softmax: tile 0 runs QK + softmax alone, step j (>= 1) issues QK_j
+            # and PV_{j-1} together and runs softmax j under PV_{j-1}, the last PV runs
+            # alone. Two schedule-barrier rendezvous per tile, as in `step`.
+            def first(carry):
+                acc, m, l = carry
+                plgpu.barrier_wait(k_bar.at[0])
+                sc = mg.dot(q_tile, k_smem.at[0], trans_b=True, sim=interpret, during=sync)
+                plgpu.barrier_arrive(k_free.at[0])
+                p, m, alpha = softmax(0, sc, m, masked=True)
+                l = l * alpha + p.sum(axis=1)
+                sync()
+                return acc, m, l, p.astype(dtype)
+
+            def step_overlapped(s, carry, masked):
+                acc, m, l, p_prev = carry
+                slot = lax.rem(s, jnp.int32(stages))
+                prev = lax.rem(s - 1, jnp.int32(stages))
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[prev])
+
+                def between(sc):  # S_j is ready; PV_{j-1} may still run
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p, m_new, alpha = softmax(s, sc, m, masked)
+                    l_new = l * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    sync()
+                    return p16, m_new, l_new, alpha
+
+                acc, (p16, m, l, alpha) = mg.dot_overlapped(
+                    q_tile, k_smem.at[slot], p_prev, v_smem.at[prev], acc, between,
+                    sim=interpret, during=sync)
+                plgpu.barrier_arrive(v_free.at[prev])
+                acc = acc * mg.bcast_rows(alpha, acc.shape)
+                return acc, m, l, p16
+
+            def last(carry):
+                acc, m, l, p_prev = carry
+                prev = lax.rem(my_steps - 1, jnp.int32(stages))
+                plgpu.barrier_wait(v_bar.at[prev])
+                acc = mg.dot(p_prev, v_smem.at[prev], acc=acc, a_ref=False, sim=interpret)
+                plgpu.barrier_arrive(v_free.at[prev])
+                return acc, m, l
+
+            def overlapped(carry):
+                carry = first(carry)
+                lo = jnp.maximum(n_full, 1)
+                carry = lax.fori_loop(1, lo, functools.partial(step_overlapped, masked=False),
+                                      carry)
+                carry = lax.fori_loop(lo, my_steps,
+                                      functools.partial(step_overlapped, masked=True), carry)
+                return last(carry)
 
             def skip(s, _):
                 # A tile the other warpgroup needs: release the slot, keep the ping-pong.
@@ -179,10 +258,18 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
             carry = (mg.zeros((bq, d), interpret),
                      mg.layout(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout, interpret),
                      mg.layout(jnp.zeros((bq,), jnp.float32), row_layout, interpret))
+            if bs.early_k_wait and not bs.overlap_softmax:
+                pl.when(my_steps > 0)(lambda: plgpu.barrier_wait(k_bar.at[0]))
             pl.when(wg == 1)(sync)
-            carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-            acc, m, l = lax.fori_loop(n_full, my_steps, functools.partial(step, masked=True),
-                                      carry)
+            if bs.overlap_softmax:
+                if causal:  # a slab that sees no key (Sq > Skv) skips the pipeline
+                    acc, m, l = lax.cond(my_steps > 0, overlapped, lambda c: c, carry)
+                else:
+                    acc, m, l = overlapped(carry)
+            else:
+                carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+                acc, m, l = lax.fori_loop(n_full, my_steps,
+                                          functools.partial(step, masked=True), carry)
             lax.fori_loop(my_steps, n_steps, skip, None)
             pl.when(wg == 0)(sync)
 

@@ -106,6 +106,28 @@ def dot(a, b, *, sim: bool, acc=None, trans_b: bool = False, a_ref: bool = True,
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
+def dot_overlapped(q, k, p, v, acc, between, *, sim: bool, during=None):
+    """(acc + p @ v, between(q @ k^T)): the two products issued back to back as async
+    wgmmas (q, k, v SMEM refs; p, acc float32/16 register arrays), S = q @ k^T awaited
+    first, so `between` runs while p @ v may still be in flight. `during` runs after
+    both are issued. In the simulator the same arithmetic runs in the same order."""
+    if sim:
+        s = dot(q, k, trans_b=True, sim=True, during=during)
+        res = between(s)
+        return dot(p, v, acc=acc, a_ref=False, sim=True), res
+
+    def scoped(s_ref, o_ref):
+        o_ref[...] = acc
+        plgpu.wgmma(s_ref, q, k.transpose((1, 0)))
+        plgpu.wgmma(o_ref, p, v)
+        if during is not None:
+            during()
+        res = between(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+        return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), res
+    return pl.run_scoped(scoped, plgpu.ACC((q.shape[0], k.shape[0]), jnp.float32),
+                         plgpu.ACC(acc.shape, jnp.float32))
+
+
 def load_vec(ref, layout, sim: bool):
     """A 1-D float32 SMEM vector as a register array in `layout` (the simulator has no
     `plgpu.load`)."""
