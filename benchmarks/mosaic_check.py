@@ -1,5 +1,5 @@
 """pallas_mosaic on the GPU: correctness against the float32 reference, then throughput
-against pallas_triton and cuDNN in the same run, and a few tile/pipeline variants.
+against pallas_triton and cuDNN in the same run, and tile/pipeline/schedule variants.
 
 Shapes (bf16): B=4 S=4096 Hq=32 Hkv=8 D=128 and B=16 S=1024 Hq=32 Hkv=8 D=64, causal and
 full. Correctness: max abs error of o and of dq, dk, dv (for a random cotangent) against
@@ -11,7 +11,7 @@ with block_until_ready, after a warm-up call. Every implementation and variant r
 its own try/except: a failure prints its first 40 lines and the script goes on. A
 markdown table comes last.
 
-  PYTHONPATH=. python3 benchmarks/mosaic_check.py [--quick]
+  PYTHONPATH=. python3 benchmarks/mosaic_check.py [--quick | --headline]
 """
 from __future__ import annotations
 
@@ -33,7 +33,18 @@ VARIANTS = {  # name -> pallas_mosaic options
     "mosaic bk64 st3": dict(block_kv=64, num_stages=3),
     "mosaic no-pingpong": dict(schedule_barrier=False),
     "mosaic bwd 1wg st3": dict(compute_wgs_bwd=1, num_stages_bwd=3),
+    # forward schedule options (BlockSizes docstring); the backward is the default one
+    "mosaic early-k": dict(early_k_wait=True),
+    "mosaic early-k sum": dict(early_k_wait=True, sum_before_sync=True),
+    "mosaic overlap": dict(overlap_softmax=True),
+    "mosaic overlap no-pingpong": dict(overlap_softmax=True, schedule_barrier=False),
+    "mosaic bq128 bk64": dict(block_q=128, block_kv=64),
 }
+# --headline: B=4 S=4096 D=128 only, cuDNN and the variants not skipped here (no
+# pallas_triton); the default and the new forward schedules also get a correctness check.
+HEADLINE_SKIP = ("mosaic bk64 st3", "mosaic bwd 1wg st3")
+HEADLINE_CHECK = ("mosaic early-k", "mosaic early-k sum", "mosaic overlap",
+                  "mosaic overlap no-pingpong", "mosaic bq128 bk64")
 
 
 def report_error(where, e):
@@ -83,10 +94,17 @@ def bench(fn, q, k, v, do, causal, flops):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="headline shape and default tiles only")
+    ap.add_argument("--headline", action="store_true",
+                    help="headline shape, cuDNN and the mosaic variants (each checked)")
     args = ap.parse_args()
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    shapes = SHAPES[:1] if args.quick or args.headline else SHAPES
     variants = dict(list(VARIANTS.items())[:1]) if args.quick else VARIANTS
+    if args.headline:
+        variants = {n: o for n, o in VARIANTS.items() if n not in HEADLINE_SKIP}
+    # correctness: the default, plus (--headline) every variant with its own forward
+    checked = {n: o for n, o in variants.items()
+               if n == "mosaic" or (args.headline and n in HEADLINE_CHECK)}
     rows, checks = [], []
     for (b, s, d), causal in itertools.product(shapes, (True, False)):
         mask = "causal" if causal else "full"
@@ -96,15 +114,17 @@ def main():
         v = jax.random.normal(ks[2], (b, s, HKV, d), jnp.bfloat16)
         do = jax.random.normal(ks[3], (b, s, HQ, d), jnp.bfloat16)
         flops = attention_flops(b, HQ, s, s, d, causal)
-        try:
-            errs = check(q, k, v, do, causal, {})
-            checks.append((b, s, d, mask, errs))
-            print(f"check B={b} S={s} D={d} {mask}: " +
-                  " ".join(f"{n}={e:.3g}" for n, e in errs.items()), flush=True)
-        except Exception as e:  # noqa: BLE001  keep going
-            report_error(f"check B={b} S={s} D={d} {mask}", e)
-        impls = {"cudnn": functools.partial(flash_attention, impl="cudnn"),
-                 "pallas_triton": functools.partial(flash_attention, impl="pallas_triton")}
+        for name, opts in checked.items():
+            try:
+                errs = check(q, k, v, do, causal, opts)
+                checks.append((b, s, d, mask, name, errs))
+                print(f"check {name} B={b} S={s} D={d} {mask}: " +
+                      " ".join(f"{n}={e:.3g}" for n, e in errs.items()), flush=True)
+            except Exception as e:  # noqa: BLE001  keep going
+                report_error(f"check {name} B={b} S={s} D={d} {mask}", e)
+        impls = {"cudnn": functools.partial(flash_attention, impl="cudnn")}
+        if not args.headline:
+            impls["pallas_triton"] = functools.partial(flash_attention, impl="pallas_triton")
         for name, opts in variants.items():
             impls[name] = functools.partial(flash_attention, impl="pallas_mosaic", **opts)
         for name, fn in impls.items():
@@ -119,11 +139,12 @@ def main():
             rows.append(row)
 
     print("\n## correctness (max abs error vs float32 reference; *_scale = max |ref grad|)\n")
-    print("| B | S | D | mask | o | dq | dk | dv | dq scale | dk scale | dv scale |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for b, s, d, mask, e in checks:
-        print(f"| {b} | {s} | {d} | {mask} | {e['o']:.3g} | {e['dq']:.3g} | {e['dk']:.3g} | "
-              f"{e['dv']:.3g} | {e['dq_scale']:.3g} | {e['dk_scale']:.3g} | {e['dv_scale']:.3g} |")
+    print("| B | S | D | mask | impl | o | dq | dk | dv | dq scale | dk scale | dv scale |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for b, s, d, mask, name, e in checks:
+        print(f"| {b} | {s} | {d} | {mask} | {name} | {e['o']:.3g} | {e['dq']:.3g} | "
+              f"{e['dk']:.3g} | {e['dv']:.3g} | {e['dq_scale']:.3g} | {e['dk_scale']:.3g} | "
+              f"{e['dv_scale']:.3g} |")
     print(f"\n## throughput (TFLOP/s, Hq={HQ} Hkv={HKV} bf16; x = ratio to cuDNN in this run)\n")
     print("| B | S | D | mask | impl | fwd | x cuDNN | fwd+bwd | x cuDNN | note |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -5,8 +5,8 @@ threads and checks the TMA copies and barriers (every phase observed, no slot re
 early). Its wgmma takes neither register operands nor transposed shared-memory refs, so
 there the matmuls read their operands and multiply them as arrays; everything else is
 the code that runs on the GPU. The simulator is slow: three small shapes cover causal
-and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 4 and
-D 64 and 128. The GPU-only cases run long sequences with the default tiles.
+and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 2 and
+D 64 and 128; the forward's schedule options run forward-only on one causal shape. The GPU-only cases run long sequences with the default tiles.
 """
 import functools
 
@@ -72,12 +72,14 @@ def _check(b, sq, skv, hq, hkv, d, causal, tol, seed=0, **opts):
 # (b, sq, skv, hq, hkv, d, causal). Key tiles of 64 give several tiles per stream; the
 # 128-row query tile splits into the two warpgroups' 64-row slabs.
 CPU_CASES = [
-    # causal, Sq < Skv: tiles fully visible, crossing the diagonal, and skipped per slab.
-    (1, 128, 192, 4, 1, 64, True),
-    # causal, Sq > Skv with ragged lengths: 30 rows see no key; padded keys and queries.
+    # causal, Sq < Skv, GQA 2: a tile below the diagonal (no mask) and one crossing it;
+    # the second slab is all padded query rows.
+    (1, 64, 128, 2, 1, 64, True),
+    # causal, Sq > Skv with ragged lengths: 30 rows see no key; padded keys and queries;
+    # one slab skips a key tile the other needs.
     (1, 100, 70, 1, 1, 128, True),
-    # full attention, GQA 2, ragged key tail.
-    (1, 70, 200, 2, 1, 64, False),
+    # full attention, ragged key tail.
+    (1, 70, 120, 1, 1, 64, False),
 ]
 
 
@@ -89,6 +91,22 @@ def _case_id(c):
 def test_matches_reference(case):
     *shape, causal = case
     _check(*shape, causal=causal, tol=2e-2, block_kv=64)
+
+
+@pytest.mark.parametrize("opts", [dict(overlap_softmax=True),
+                                  dict(early_k_wait=True, sum_before_sync=True)],
+                         ids=["overlap_softmax", "early_k_wait_sum_before_sync"])
+def test_forward_schedule_options(opts):
+    # Same arithmetic, other wgmma/barrier order: the simulator checks the ring's barriers
+    # (both slabs, a tile only one of them sees, masked and unmasked tiles).
+    b, sq, skv, hq, hkv, d = 1, 128, 192, 1, 1, 64
+    q, k, v, *_ = _inputs(3, b, sq, skv, hq, hkv, d, True, jnp.bfloat16)
+    o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=True, block_kv=64, **opts)
+    with jax.default_matmul_precision("highest"):
+        o_ref, lse_ref = reference.flash_attention_with_lse(
+            *(x.astype(jnp.float32) for x in (q, k, v)), causal=True)
+    np.testing.assert_allclose(o.astype(jnp.float32), o_ref, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(lse, lse_ref, atol=2e-2, rtol=2e-2)
 
 
 def test_bad_inputs_raise():

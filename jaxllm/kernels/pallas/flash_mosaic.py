@@ -245,13 +245,19 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
 
             def skip(s, _):
                 # A tile the other warpgroup needs: release the slot, keep the ping-pong.
+                # The overlapped pipeline releases V one tile late (after two more
+                # rendezvous), so there the rendezvous come before waiting for V.
                 slot = lax.rem(s, jnp.int32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
+                if bs.overlap_softmax:
+                    sync()
+                    sync()
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
-                sync()
-                sync()
+                if not bs.overlap_softmax:
+                    sync()
+                    sync()
                 return _
 
             row_layout = plgpu.Layout.WGMMA.reduce(1)
