@@ -99,7 +99,7 @@ def test_matches_reference(case):
 def test_forward_schedule_options(opts):
     # Same arithmetic, other wgmma/barrier order: the simulator checks the ring's barriers
     # (both slabs, a tile only one of them sees, masked and unmasked tiles).
-    b, sq, skv, hq, hkv, d = 1, 128, 192, 1, 1, 64
+    b, sq, skv, hq, hkv, d = 1, 128, 128, 1, 1, 64
     q, k, v, *_ = _inputs(3, b, sq, skv, hq, hkv, d, True, jnp.bfloat16)
     o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=True, block_kv=64, **opts)
     with jax.default_matmul_precision("highest"):
