@@ -6,6 +6,8 @@ mesh; model code never sees a mesh.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -84,8 +86,20 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         y = None
-        if self.matmul_impl != "xla" and x.shape[0] * x.shape[1] <= 16:
+        few_rows = x.shape[0] * x.shape[1] <= 16  # decoding
+        if few_rows and self.matmul_impl != "xla":
             y = self._skinny(x)
+        if y is None and few_rows and len(self.out_axes) < self.kernel[...].ndim - 1:
+            # Several contracted axes (the output projection's heads x head_dim): as one
+            # [M, K] x [K, N] product. With a handful of rows XLA otherwise lowers this
+            # einsum to an elementwise product the size of the weight plus a reduction,
+            # twice the bytes of the weight through HBM (measured: docs/benchmarks.md).
+            w = self.kernel[...].astype(self.dtype)
+            n_in = w.ndim - len(self.out_axes)
+            b, s = x.shape[:2]
+            k = math.prod(w.shape[:n_in])
+            y = jnp.dot(x.reshape(b * s, k).astype(self.dtype), w.reshape(k, -1))
+            y = y.reshape(b, s, *w.shape[n_in:])
         if y is None:
             y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
