@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_inputs import flash_inputs
 from jaxllm.kernels import flash_attention, reference
 from jaxllm.kernels.pallas import flash_triton
 
@@ -22,21 +23,10 @@ MIXED = flash_triton.BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_
                                 block_q_dq=32, block_k_dq=16)
 
 
-def _inputs(seed, b, sq, skv, hq, hkv, d, causal, dtype):
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(ks[0], (b, sq, hq, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, skv, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, skv, hkv, d), jnp.float32).astype(dtype)
-    do = jax.random.normal(ks[3], (b, sq, hq, d), jnp.float32).astype(dtype)
-    dlse = jax.random.normal(ks[4], (b, hq, sq), jnp.float32)
-    # Causal with Sq > Skv: the first Sq - Skv queries see no key. The kernel defines them
-    # as o = 0, lse = -inf; the reference does not, so they are checked separately.
-    seen = np.arange(sq) >= (sq - skv if causal else 0)
-    return q, k, v, do * seen[None, :, None, None], dlse * seen[None, None, :], seen
 
 
 def _check(b, sq, skv, hq, hkv, d, causal, bs, dtype=jnp.float32, tol=2e-4, seed=0):
-    q, k, v, do, dlse, seen = _inputs(seed, b, sq, skv, hq, hkv, d, causal, dtype)
+    q, k, v, do, dlse, seen = flash_inputs(seed, b, sq, skv, hq, hkv, d, causal, dtype)
     opts = {"block_sizes": bs} if bs else {}
 
     @jax.jit
@@ -86,7 +76,7 @@ def test_unequal_tiles_and_padded_head_dim():
 
 
 def test_dispatch_default_tiles_and_overrides():
-    q, k, v, *_ = _inputs(1, 1, 1, 70, 4, 2, 64, True, jnp.float32)
+    q, k, v, *_ = flash_inputs(1, 1, 1, 70, 4, 2, 64, True, jnp.float32)
     want = reference.flash_attention(q, k, v, causal=True)
     # The tuned tiles, clamped to the short sequences; then one tile size overridden.
     for opts in ({}, {"block_k": 32}):
@@ -95,7 +85,7 @@ def test_dispatch_default_tiles_and_overrides():
 
 
 def test_bad_options_raise():
-    q, k, v, *_ = _inputs(2, 1, 8, 8, 2, 1, 64, True, jnp.float32)
+    q, k, v, *_ = flash_inputs(2, 1, 8, 8, 2, 1, 64, True, jnp.float32)
     with pytest.raises(ValueError, match="block_q=48 must be a power of two"):
         flash_triton.flash_attention(q, k, v, block_q=48)
     with pytest.raises(ValueError, match="unknown pallas_triton options"):

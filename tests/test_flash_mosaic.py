@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_inputs import flash_inputs
 from jaxllm.kernels import flash_attention, reference
 from jaxllm.kernels.pallas import flash_mosaic
 
@@ -31,22 +32,11 @@ def _is_hopper():
 hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the compiled kernels need a Hopper GPU")
 
 
-def _inputs(seed, b, sq, skv, hq, hkv, d, causal, dtype):
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(ks[0], (b, sq, hq, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, skv, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, skv, hkv, d), jnp.float32).astype(dtype)
-    do = jax.random.normal(ks[3], (b, sq, hq, d), jnp.float32).astype(dtype)
-    dlse = jax.random.normal(ks[4], (b, hq, sq), jnp.float32)
-    # Causal with Sq > Skv: the first Sq - Skv queries see no key. The kernel defines them
-    # as o = 0, lse = -inf; the reference does not, so they are checked separately.
-    seen = np.arange(sq) >= (sq - skv if causal else 0)
-    return q, k, v, do * seen[None, :, None, None], dlse * seen[None, None, :], seen
 
 
 def _check(b, sq, skv, hq, hkv, d, causal, tol, seed=0, **opts):
     dtype = jnp.bfloat16
-    q, k, v, do, dlse, seen = _inputs(seed, b, sq, skv, hq, hkv, d, causal, dtype)
+    q, k, v, do, dlse, seen = flash_inputs(seed, b, sq, skv, hq, hkv, d, causal, dtype)
     kern = functools.partial(flash_mosaic.flash_attention_with_lse, causal=causal, **opts)
     (o, lse), vjp = jax.vjp(kern, q, k, v)
     grads = vjp((do, dlse))
@@ -100,7 +90,7 @@ def test_forward_schedule_options(opts):
     # Same arithmetic, other wgmma/barrier order: the simulator checks the ring's barriers
     # (both slabs, a tile only one of them sees, masked and unmasked tiles).
     b, sq, skv, hq, hkv, d = 1, 128, 128, 1, 1, 64
-    q, k, v, *_ = _inputs(3, b, sq, skv, hq, hkv, d, True, jnp.bfloat16)
+    q, k, v, *_ = flash_inputs(3, b, sq, skv, hq, hkv, d, True, jnp.bfloat16)
     o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=True, block_kv=64, **opts)
     with jax.default_matmul_precision("highest"):
         o_ref, lse_ref = reference.flash_attention_with_lse(
@@ -127,7 +117,7 @@ def test_auto_skips_unsupported_inputs(monkeypatch):
     # With pallas_mosaic first in the auto order, inputs it cannot take go to the next impl.
     import jaxllm.kernels as kernels
     monkeypatch.setattr(kernels, "_flash_auto_order", lambda: ["pallas_mosaic", "reference"])
-    q, k, v, *_ = _inputs(1, 1, 8, 8, 2, 1, 96, True, jnp.float32)
+    q, k, v, *_ = flash_inputs(1, 1, 8, 8, 2, 1, 96, True, jnp.float32)
     fn = kernels._pick(kernels._FLASH_TABLE, "auto", kernels.FLASH_IMPLS,
                        kernels._flash_auto_order, (q, k, v))
     assert fn is reference.flash_attention
@@ -148,7 +138,7 @@ def test_gpu_long_bf16(shape, causal):
 
 @hopper_only
 def test_gpu_dispatch():
-    q, k, v, *_ = _inputs(2, 2, 512, 512, 8, 2, 128, True, jnp.bfloat16)
+    q, k, v, *_ = flash_inputs(2, 2, 512, 512, 8, 2, 128, True, jnp.bfloat16)
     out = flash_attention(q, k, v, causal=True, impl="pallas_mosaic")
     with jax.default_matmul_precision("highest"):
         want = reference.flash_attention(*(x.astype(jnp.float32) for x in (q, k, v)))
