@@ -43,11 +43,11 @@ def test_causal_masking(kv):
     assert np.abs(np.asarray(a[:, cut:] - b[:, cut:])).max() > 1e-3
 
 
-# MHA, GQA, MQA; GQA also in the decode forms: unstacked layers (a Python layer loop,
-# per-layer caches), and those with q/k/v and gate/up weights joined
-# ("kernel": the Pallas decode-attention and skinny-matmul kernels, interpreted on the CPU)
-@pytest.mark.parametrize("kv,form", [(4, "stacked"), (2, "stacked"), (2, "unstacked"),
-                                     (2, "fused"), (2, "kernel"), (1, "stacked")])
+# MHA and MQA with the scanned stack; GQA in the decode form (unstacked layers: a Python
+# layer loop and per-layer caches, q/k/v and gate/up weights joined), with the einsums and
+# with the Pallas decode-attention and skinny-matmul kernels (interpreted on the CPU)
+@pytest.mark.parametrize("kv,form", [(4, "stacked"), (2, "fused"), (2, "kernel"),
+                                     (1, "stacked")])
 def test_cached_decode_matches_full_forward(kv, form):
     impl = "pallas_triton" if form == "kernel" else "auto"
     model, _ = _model(f"model.n_kv_heads={kv}", "model.qkv_bias=true",
