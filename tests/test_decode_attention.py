@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels.pallas.paged_triton import decode_attention
-from jaxllm.model.attention import cached_attention
+from jaxllm.kernels.xla import cached_attention
 
 
 @pytest.mark.parametrize("q_len,hkv,d,max_len,num_splits", [

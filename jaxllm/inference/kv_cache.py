@@ -351,7 +351,7 @@ class PagedKV(NamedTuple):
                                 self.block_tables, positions[:, 0] + 1, layer=layer)
             return o[:, None]
         from jaxllm.kernels.reference import gather_pages
-        from jaxllm.model.attention import cached_attention
+        from jaxllm.kernels.xla import cached_attention
         k = gather_pages(self.k[layer], self.block_tables).swapaxes(1, 2)  # (B, Hkv, T, D)
         v = gather_pages(self.v[layer], self.block_tables).swapaxes(1, 2)
         return cached_attention(q.astype(self.k.dtype), k, v, positions)

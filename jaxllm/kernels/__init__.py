@@ -33,7 +33,7 @@ _PAGED_TABLE = {
     "pallas_triton": "jaxllm.kernels.pallas.paged_triton:paged_attention",
 }
 _DECODE_TABLE = {
-    "xla": "jaxllm.kernels.reference:decode_attention",  # einsums; XLA fuses the masking
+    "xla": "jaxllm.kernels.xla:decode_attention",  # einsums; XLA fuses the masking
     "pallas_triton": "jaxllm.kernels.pallas.paged_triton:decode_attention",
 }
 

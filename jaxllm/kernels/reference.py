@@ -79,19 +79,3 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     o = jnp.einsum("bhgk,bkhd->bhgd", p / denom, v.astype(jnp.float32), precision=EXACT)
     return o.reshape(b, hq, d).astype(q.dtype)
 
-
-def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None):
-    """q [B, S, Hq, D], the S new tokens of row b at positions lengths[b] - S ..
-    lengths[b] - 1; k/v cache [B, Hkv, T, D]; query s sees keys 0 .. lengths[b] - S + s.
-    Float32 softmax; K/V read once per group of query heads. -> [B, S, Hq, D]."""
-    b, s, hq, d = q.shape
-    hkv, t = k_cache.shape[1], k_cache.shape[2]
-    sm_scale = d**-0.5 if sm_scale is None else sm_scale
-    qg = q.reshape(b, s, hkv, hq // hkv, d)
-    scores = jnp.einsum("bshgd,bhtd->bhgst", qg, k_cache,
-                        preferred_element_type=jnp.float32) * sm_scale
-    last = lengths[:, None, None] - s + jnp.arange(s)[None, :, None]  # (B, S, 1)
-    visible = jnp.arange(t)[None, None, :] <= last  # (B, S, T)
-    scores = jnp.where(visible[:, None, None], scores, NEG_INF)
-    p = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    return jnp.einsum("bhgst,bhtd->bshgd", p, v_cache).reshape(b, s, hq, d)

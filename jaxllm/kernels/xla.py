@@ -29,3 +29,36 @@ def cudnn_attention(q, k, v, *, causal: bool, sm_scale: float):
                                             implementation="cudnn")
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
                                         implementation="cudnn")
+
+
+def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None,
+                     sm_scale: float | None = None):
+    """Attention of new queries over a contiguous cache, masking keys after each query.
+
+    q (B, S, Hq, D); k_cache/v_cache (B, Hkv, T, D), key t at position t; q_positions int
+    (B, S). With a `window`, keys at positions <= query position - window are masked too.
+    K/V are read once per group of query heads (no repeat). Softmax in float32.
+    `sm_scale` defaults to 1/sqrt(D).
+    """
+    b, s, hq, d = q.shape
+    hkv, t = k_cache.shape[1], k_cache.shape[2]
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    qg = q.reshape(b, s, hkv, hq // hkv, d)
+    scores = jnp.einsum("bshgd,bhtd->bhgst", qg, k_cache,
+                        preferred_element_type=jnp.float32) * sm_scale
+    key_pos, q_pos = jnp.arange(t)[None, None, :], q_positions[:, :, None]
+    visible = key_pos <= q_pos  # (B, S, T)
+    if window is not None:
+        visible &= key_pos > q_pos - window
+    scores = jnp.where(visible[:, None, None], scores, NEG_INF)
+    p = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    o = jnp.einsum("bhgst,bhtd->bshgd", p, v_cache)
+    return o.reshape(b, s, hq, d)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float):
+    """The S new tokens of row b at positions lengths[b] - S .. lengths[b] - 1 over a
+    contiguous cache [B, Hkv, T, D] (see kernels.decode_attention), as einsums."""
+    s = q.shape[1]
+    positions = lengths[:, None] - s + jnp.arange(s)[None]
+    return cached_attention(q, k_cache, v_cache, positions, sm_scale=sm_scale)

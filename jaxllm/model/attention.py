@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.kernels.reference import NEG_INF
+from jaxllm.kernels.xla import cached_attention
 from jaxllm.model.layers import Linear, apply_rope
 from jaxllm.sharding.context import causal_attention
 
@@ -80,28 +80,6 @@ class KVCache(NamedTuple):
             return cached_attention(q, k, v, positions, window)
         from jaxllm.kernels import decode_attention
         return decode_attention(q, k, v, positions[:, -1] + 1, impl=impl)
-
-
-def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None):
-    """Attention of new queries over a contiguous cache, masking keys after each query.
-
-    q (B, S, Hq, D); k_cache/v_cache (B, Hkv, T, D), key t at position t; q_positions int
-    (B, S). With a `window`, keys at positions <= query position - window are masked too.
-    K/V are read once per group of query heads (no repeat). Softmax in float32.
-    """
-    b, s, hq, d = q.shape
-    hkv, t = k_cache.shape[1], k_cache.shape[2]
-    qg = q.reshape(b, s, hkv, hq // hkv, d)
-    scores = jnp.einsum("bshgd,bhtd->bhgst", qg, k_cache,
-                        preferred_element_type=jnp.float32) * d**-0.5
-    key_pos, q_pos = jnp.arange(t)[None, None, :], q_positions[:, :, None]
-    visible = key_pos <= q_pos  # (B, S, T)
-    if window is not None:
-        visible &= key_pos > q_pos - window
-    scores = jnp.where(visible[:, None, None], scores, NEG_INF)
-    p = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    o = jnp.einsum("bhgst,bhtd->bshgd", p, v_cache)
-    return o.reshape(b, s, hq, d)
 
 
 class Attention(nnx.Module):

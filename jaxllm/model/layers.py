@@ -6,8 +6,6 @@ mesh; model code never sees a mesh.
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -57,18 +55,30 @@ class Linear(nnx.Module):
         self.out_axes = tuple(axes[n_in:])
         self.matmul_impl = "xla"  # "pallas_triton": the skinny decode kernel for <= 16 rows
 
-    def _skinny(self, x):
-        """x (B, S, *in) @ W as one [B*S, K] x [K, N] skinny matmul, or None if it does not
-        fit the kernel. Every spec here contracts x's trailing axes with W's leading ones."""
-        from jaxllm.kernels.pallas import matmul_triton
-        w = self.kernel[...]
+    def _few_rows(self, x):
+        """x (B, S, *in) @ W as one [B*S, K] x [K, N] product, for calls with at most 16
+        rows (decoding), or None to leave it to the einsum. Every spec here contracts x's
+        trailing axes with W's leading ones.
+
+        - matmul_impl "pallas_triton": the skinny decode kernel, where it fits;
+        - several contracted axes (the output projection's heads x head_dim): a 2-D dot.
+          With a handful of rows XLA lowers that einsum to an elementwise product the size
+          of the weight plus a reduction, twice the weight's bytes through HBM (measured:
+          docs/benchmarks.md).
+        """
+        w = self.kernel[...].astype(self.dtype)
         n_in = w.ndim - len(self.out_axes)
         b, s = x.shape[:2]
         x2 = x.reshape(b * s, -1).astype(self.dtype)
         w2 = w.reshape(x2.shape[1], -1)
-        if matmul_triton.unsupported_reason(x2, w2) is not None:
-            return None
-        return matmul_triton.skinny_matmul(x2, w2).reshape(b, s, *w.shape[n_in:])
+        y = None
+        if self.matmul_impl == "pallas_triton":
+            from jaxllm.kernels.pallas import matmul_triton
+            if matmul_triton.unsupported_reason(x2, w2) is None:
+                y = matmul_triton.skinny_matmul(x2, w2)
+        if y is None and n_in > 1:
+            y = jnp.dot(x2, w2)
+        return None if y is None else y.reshape(b, s, *w.shape[n_in:])
 
     @classmethod
     def fused(cls, parts: list["Linear"], axis: int, axes, spec: str, stack: bool = False):
@@ -85,21 +95,7 @@ class Linear(nnx.Module):
                    param_dtype=kernel.dtype, init=(kernel, bias))
 
     def __call__(self, x):
-        y = None
-        few_rows = x.shape[0] * x.shape[1] <= 16  # decoding
-        if few_rows and self.matmul_impl != "xla":
-            y = self._skinny(x)
-        if y is None and few_rows and len(self.out_axes) < self.kernel[...].ndim - 1:
-            # Several contracted axes (the output projection's heads x head_dim): as one
-            # [M, K] x [K, N] product. With a handful of rows XLA otherwise lowers this
-            # einsum to an elementwise product the size of the weight plus a reduction,
-            # twice the bytes of the weight through HBM (measured: docs/benchmarks.md).
-            w = self.kernel[...].astype(self.dtype)
-            n_in = w.ndim - len(self.out_axes)
-            b, s = x.shape[:2]
-            k = math.prod(w.shape[:n_in])
-            y = jnp.dot(x.reshape(b * s, k).astype(self.dtype), w.reshape(k, -1))
-            y = y.reshape(b, s, *w.shape[n_in:])
+        y = self._few_rows(x) if x.shape[0] * x.shape[1] <= 16 else None
         if y is None:
             y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
