@@ -146,7 +146,10 @@ class InferenceConfig:
     decode_chunk: int = 16  # tokens decoded on the device between host syncs (streaming)
     unstack_layers: bool = True  # decode with per-layer weight arrays and an unrolled loop
     fuse_projections: bool = True  # with unstack_layers: q/k/v and gate/up weights joined
-    matmul_impl: str = "xla"  # decode-form weight matmuls: "xla" or "pallas_triton" (skinny)
+    # decode-form layers: "xla" matmuls, or "pallas_triton": the fused decode kernels
+    # (norm, RoPE, cache write, SwiGLU, residuals inside the weight reads) for 1-row steps;
+    # "auto": pallas_triton on a GPU where the model's shapes fit, else xla
+    matmul_impl: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -387,9 +390,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"inference.top_p={i.top_p} must lie in (0, 1]")
     if i.decode_chunk <= 0:
         raise ConfigError(f"inference.decode_chunk={i.decode_chunk} must be positive")
-    if i.matmul_impl not in ("xla", "pallas_triton"):
+    if i.matmul_impl not in ("auto", "xla", "pallas_triton"):
         raise ConfigError(f"inference.matmul_impl={i.matmul_impl!r} is unknown; choose "
-                          f"'xla' or 'pallas_triton'")
+                          f"'auto', 'xla' or 'pallas_triton'")
     speculative_options(cfg)  # raises on a bad inference.speculative
 
 

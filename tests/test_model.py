@@ -45,13 +45,18 @@ def test_causal_masking(kv):
 
 # MHA and MQA with the scanned stack; GQA in the decode form (unstacked layers: a Python
 # layer loop and per-layer caches, q/k/v and gate/up weights joined), with the einsums and
-# with the Pallas decode-attention and skinny-matmul kernels (interpreted on the CPU)
-@pytest.mark.parametrize("kv,form", [(4, "stacked"), (2, "fused"), (2, "kernel"),
+# with the Pallas kernels (interpreted on the CPU): decode attention and the fused decode
+# matmuls, which take no q/k/v bias and want head_dim / 2 a multiple of 16 (2 heads of 32)
+@pytest.mark.parametrize("kv,form", [(4, "stacked"), (2, "fused"), (1, "kernel"),
                                      (1, "stacked")])
-def test_cached_decode_matches_full_forward(kv, form):
-    impl = "pallas_triton" if form == "kernel" else "auto"
-    model, _ = _model(f"model.n_kv_heads={kv}", "model.qkv_bias=true",
-                      f"model.decode_impl={impl}", seed=kv)
+def test_cached_decode_matches_full_forward(kv, form, monkeypatch):
+    kernel = form == "kernel"
+    if kernel:  # the fused kernels for every call here (2 and 6 rows), not just 1-row ones
+        from jaxllm.kernels.pallas import gemv_triton
+        monkeypatch.setitem(gemv_triton.TUNED, "model_rows", gemv_triton.MAX_ROWS)
+    model, _ = _model(f"model.n_kv_heads={kv}", f"model.qkv_bias={not kernel}",
+                      f"model.decode_impl={'pallas_triton' if kernel else 'auto'}",
+                      *(["model.n_heads=2"] if kernel else []), seed=kv)
     graphdef, state = nnx.split(model)  # random biases (they start at zero)
     state = jax.tree_util.tree_map_with_path(
         lambda path, x: x + 0.1 * jax.random.normal(jax.random.key(7), x.shape, x.dtype)
@@ -62,9 +67,10 @@ def test_cached_decode_matches_full_forward(kv, form):
     full = model(tokens)
     if form != "stacked":
         model.unstack_layers()
-    if form in ("fused", "kernel"):  # "kernel": the skinny matmul kernel too
-        model.fuse_projections("pallas_triton" if form == "kernel" else "xla")
+    if form in ("fused", "kernel"):
+        model.fuse_projections("pallas_triton" if kernel else "xla")
         assert model.blocks[0].attn.q is None and model.blocks[0].mlp.gate_up is not None
+        assert model.blocks[0].fused_decode == kernel
     cache = model.init_cache(b, 32)
     assert cache.per_layer == (form != "stacked") and cache.max_len == 32
     logits, cache = model.forward_cached(tokens[:, :prompt], cache, jnp.zeros(b, jnp.int32),

@@ -40,13 +40,18 @@ def inference_params(model, cfg: Config, unstack: bool | None = None,
     With `unstack` (default: inference.unstack_layers) every layer's weights become
     separate arrays and the layer loop a Python loop (Decoder.unstack_layers); with `fuse`
     too (default: inference.fuse_projections) each layer's q/k/v and gate/up weights are
-    joined (Decoder.fuse_projections). The caller's model is left as it is.
+    joined (Decoder.fuse_projections, with inference.matmul_impl). The caller's model is
+    left as it is.
     """
     graphdef, state = nnx.split(model)
     if cfg.inference.unstack_layers if unstack is None else unstack:
         decode_model = nnx.merge(graphdef, state).unstack_layers()
         if cfg.inference.fuse_projections if fuse is None else fuse:
-            decode_model.fuse_projections(cfg.inference.matmul_impl)
+            impl = cfg.inference.matmul_impl
+            if impl == "auto":  # the fused decode kernels on a GPU, where they fit
+                fits = decode_model.fused_decode_unsupported() is None
+                impl = "pallas_triton" if jax.default_backend() == "gpu" and fits else "xla"
+            decode_model.fuse_projections(impl)
         graphdef, state = nnx.split(decode_model)
     params = nnx.to_pure_dict(state)
     dtype = as_dtype(cfg.model.dtype)

@@ -79,3 +79,34 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     o = jnp.einsum("bhgk,bkhd->bhgd", p / denom, v.astype(jnp.float32), precision=EXACT)
     return o.reshape(b, hq, d).astype(q.dtype)
 
+
+
+def decode_gemv(x, w, *, norm_scale=None, eps=None, residual=None, epilogue="none",
+                positions=None, inv_freq=None, q_len=1, q_heads=0, k_cache=None,
+                v_cache=None):
+    """`kernels.pallas.gemv_triton.decode_gemv`, step by step in float32 (the same
+    arguments and results; see there)."""
+    f32 = jnp.float32
+    h = x.astype(f32)
+    if norm_scale is not None:
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+        h = (h * norm_scale.astype(f32)).astype(x.dtype).astype(f32)
+    y = jnp.einsum("mk,...k->m...", h, w.astype(f32), precision=EXACT)
+    if epilogue == "none":
+        if residual is not None:
+            y = y + residual.astype(f32)
+        return y.astype(x.dtype)
+    if epilogue == "glu":
+        return (jax.nn.silu(y[:, 0]) * y[:, 1]).astype(x.dtype)
+    # "qkv": y [M, H, D]
+    kv_heads = (w.shape[0] - q_heads) // 2
+    angle = positions.astype(f32)[:, None, None] * inv_freq.astype(f32)  # [M, 1, D/2]
+    a, b = jnp.split(y[:, :q_heads + kv_heads], 2, axis=-1)
+    roped = jnp.concatenate([a * jnp.cos(angle) - b * jnp.sin(angle),
+                             b * jnp.cos(angle) + a * jnp.sin(angle)], axis=-1)
+    q, k = roped[:, :q_heads], roped[:, q_heads:]
+    v = y[:, q_heads + kv_heads:]
+    rows = jnp.arange(x.shape[0]) // q_len
+    k_cache = k_cache.at[rows, :, positions].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype))
+    return q.astype(x.dtype), k_cache, v_cache

@@ -58,16 +58,21 @@ class KVCache(NamedTuple):
         """Write k/v (B, S, Hkv, D) of layer `layer` at `positions` (B, S)."""
         rows = jnp.arange(k.shape[0])[:, None]  # (B, 1)
         if self.per_layer:
-            if not isinstance(layer, int):
-                raise TypeError("a per-layer KVCache needs a Python int layer index "
-                                f"(unrolled layers), got {type(layer).__name__}")
             # (rows, :, positions) selects [B, S, Hkv, D]: k's own layout
-            k_new = self.k[layer].at[rows, :, positions].set(k.astype(self.dtype))
-            v_new = self.v[layer].at[rows, :, positions].set(v.astype(self.dtype))
-            return KVCache(self.k[:layer] + (k_new,) + self.k[layer + 1:],
-                           self.v[:layer] + (v_new,) + self.v[layer + 1:])
+            return self.with_layer(
+                layer, self.k[layer].at[rows, :, positions].set(k.astype(self.dtype)),
+                self.v[layer].at[rows, :, positions].set(v.astype(self.dtype)))
         return KVCache(self.k.at[layer, rows, :, positions].set(k.astype(self.dtype)),
                        self.v.at[layer, rows, :, positions].set(v.astype(self.dtype)))
+
+    def with_layer(self, layer: int, k, v) -> "KVCache":
+        """The per-layer cache with layer `layer`'s buffers replaced by k, v [B, Hkv, T, D]."""
+        if not self.per_layer or not isinstance(layer, int):
+            raise TypeError("replacing a layer's buffers needs the per-layer KVCache and a "
+                            f"Python int layer index (unrolled layers), got "
+                            f"{type(layer).__name__}")
+        return KVCache(self.k[:layer] + (k,) + self.k[layer + 1:],
+                       self.v[:layer] + (v,) + self.v[layer + 1:])
 
     def attend(self, layer, q, positions, window: int | None = None, impl: str = "auto"):
         """Queries q (B, S, Hq, D) at `positions` over the cached keys of layer `layer`.
@@ -101,14 +106,18 @@ class Attention(nnx.Module):
         self.rope_scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
         self.window = sliding_window
 
-    def fuse_projections(self):
+    def fuse_projections(self, out_major: bool = False):
         """Decode form: q, k and v become one [d, Hq + 2 Hkv, D] weight, read by one matmul
         (at batch 1 a decode step is a chain of small weight reads; fewer, larger ones get
-        closer to the memory bandwidth)."""
+        closer to the memory bandwidth). `out_major`: every weight stored [*out, *in], as
+        the fused decode kernels read it."""
         if self.qkv is None:
             self.qkv = Linear.fused([self.q, self.k, self.v], 1, ("embed", None, "head_dim"),
-                                    "bsd,dhk->bshk")
+                                    "bsd,dhk->bshk", out_major=out_major)
             self.q = self.k = self.v = None
+            if out_major:
+                self.o = Linear.fused([self.o], 0, ("q_heads", "head_dim", "embed"),
+                                      "bshk,hkd->bsd", out_major=True)
         return self
 
     def _project(self, x):

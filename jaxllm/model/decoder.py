@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxllm.config import ModelConfig
 from jaxllm.model.attention import Attention, KVCache
-from jaxllm.model.layers import MLP, Embed, Linear, RMSNorm, as_dtype
+from jaxllm.model.layers import MLP, Embed, Linear, RMSNorm, as_dtype, rope_frequencies
 from jaxllm.model.mtp import MTPHeads
 from jaxllm.sharding import context
 
@@ -37,11 +37,43 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
         self.mlp = MLP(cfg.d_model, cfg.mlp_dim, dtype=dtype, param_dtype=pdtype, rngs=rngs,
                        std=cfg.init_std, out_std=out_std)
+        self.fused_decode = False  # see Decoder.fuse_projections
 
     def __call__(self, x, positions, cache=None, layer=None, prefill=False):
+        if (self.fused_decode and isinstance(cache, KVCache) and cache.per_layer
+                and not prefill):
+            from jaxllm.kernels.pallas import gemv_triton  # kernels load on first use
+            if x.shape[0] * x.shape[1] <= gemv_triton.TUNED["model_rows"]:
+                return self._decode_fused(x, positions, cache, layer)
         h, cache = self.attn(self.attn_norm(x), positions, cache, layer, prefill)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), cache
+
+    def _decode_fused(self, x, positions, cache: KVCache, layer: int):
+        """The block for a few new tokens (decoding, speculative verify) in five kernels:
+        norm + q/k/v + RoPE + cache write, attention over the cache, output projection +
+        residual, norm + gate/up + SwiGLU, down projection + residual
+        (kernels/pallas/gemv_triton.py). The same numbers as __call__, to rounding."""
+        from jaxllm.kernels.pallas import gemv_triton
+
+        attn, mlp = self.attn, self.mlp
+        b, s, d = x.shape
+        x2 = x.reshape(b * s, d)
+        head_dim = attn.qkv.kernel.shape[1]
+        q, k_cache, v_cache = gemv_triton.decode_gemv(
+            x2, attn.qkv.kernel[...], norm_scale=self.attn_norm.scale[...],
+            eps=self.attn_norm.eps, epilogue="qkv", positions=positions.reshape(b * s),
+            inv_freq=rope_frequencies(head_dim, attn.rope_theta, attn.rope_scaling),
+            q_len=s, q_heads=attn.n_heads, k_cache=cache.k[layer], v_cache=cache.v[layer])
+        cache = cache.with_layer(layer, k_cache, v_cache)
+        o = cache.attend(layer, q.reshape(b, s, attn.n_heads, head_dim), positions,
+                         attn.window, attn.decode_impl)
+        x2 = gemv_triton.decode_gemv(o.reshape(b * s, -1), attn.o.kernel[...].reshape(d, -1),
+                                     residual=x2)
+        h = gemv_triton.decode_gemv(x2, mlp.gate_up.kernel[...], epilogue="glu",
+                                    norm_scale=self.mlp_norm.scale[...], eps=self.mlp_norm.eps)
+        x2 = gemv_triton.decode_gemv(h, mlp.down.kernel[...], residual=x2)
+        return x2.reshape(b, s, d), cache
 
 
 class Decoder(nnx.Module):
@@ -139,19 +171,47 @@ class Decoder(nnx.Module):
 
         For decoding, after `unstack_layers`: each layer then reads its weights in three
         matmuls (qkv, gate_up, down) plus the output projection instead of six. The
-        numbers are the same; training keeps the separate weights. `matmul_impl`
-        "pallas_triton" runs these matmuls through the skinny decode kernel
-        (kernels/pallas/matmul_triton.py) whenever a call has at most 16 rows.
+        numbers are the same; training keeps the separate weights.
+
+        `matmul_impl="pallas_triton"` also stores every layer weight out-major and runs a
+        block's decode steps (at most 16 new tokens, per-layer cache) in the fused decode
+        kernels (`Block._decode_fused`): norms, RoPE, cache writes, SwiGLU and residual
+        adds folded into the four weight reads. Single-device only (the kernels see whole
+        weights); blocks with q/k/v biases keep the XLA path.
         """
+        if matmul_impl not in ("xla", "pallas_triton"):
+            raise ValueError(f"matmul_impl={matmul_impl!r}; choose 'xla' or 'pallas_triton'")
         if not isinstance(self.blocks, nnx.List):
             raise ValueError("fuse_projections needs unstacked layers: call unstack_layers()")
+        why = self.fused_decode_unsupported() if matmul_impl == "pallas_triton" else None
+        if why:
+            raise ValueError(f"inference.matmul_impl=pallas_triton: {why}")
         blocks = list(self.blocks) + ([m.block for m in self.mtp.layers] if self.mtp else [])
         for block in blocks:
-            block.attn.fuse_projections()
-            block.mlp.fuse_projections()
-            for linear in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down):
-                linear.matmul_impl = matmul_impl  # "pallas_triton": the skinny kernel
+            bias = (block.attn.q or block.attn.qkv).bias is not None
+            fused = matmul_impl == "pallas_triton" and not bias
+            block.attn.fuse_projections(out_major=fused)
+            block.mlp.fuse_projections(out_major=fused)
+            block.fused_decode = fused
         return self
+
+    def fused_decode_unsupported(self) -> str | None:
+        """Why the fused decode kernels cannot take this model's weights (None if they can)."""
+        from jaxllm.kernels.pallas import gemv_triton
+
+        c = self.cfg
+        hq, hkv, hd, d, f = (c.n_heads, c.n_kv_heads, c.resolved_head_dim, c.d_model,
+                             c.mlp_dim)
+        shape = jax.ShapeDtypeStruct
+        for name, k, w, epilogue in (("q/k/v", d, (hq + 2 * hkv, hd, d), "qkv"),
+                                     ("output", hq * hd, (d, hq * hd), "none"),
+                                     ("gate/up", d, (2, f, d), "glu"),
+                                     ("down", f, (d, f), "none")):
+            why = gemv_triton.unsupported_reason(shape((1, k), jnp.float32),
+                                                 shape(w, jnp.float32), epilogue)
+            if why:
+                return f"the fused decode kernels cannot take the {name} projection: {why}"
+        return None
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """A contiguous cache: per-layer buffers once the layers are unstacked (Python loop),

@@ -34,65 +34,84 @@ def param(rngs: nnx.Rngs, shape, axes: tuple, dtype, std: float | None = None,
 
 
 class Linear(nnx.Module):
-    """y = x @ W with W [*in_shape, *out_shape]; `spec` is the einsum, e.g. 'bsd,dhk->bshk'."""
+    """y = x @ W with W [*in_shape, *out_shape]; `spec` is the einsum, e.g. 'bsd,dhk->bshk'.
+
+    `out_major=True` stores W as [*out_shape, *in_shape] instead (each output's weights
+    contiguous: the layout of the fused decode kernels, kernels/pallas/gemv_triton.py);
+    `axes` and `spec` are still given in the [*in, *out] order.
+    """
 
     def __init__(self, in_shape, out_shape, axes, spec: str, *, dtype, param_dtype,
                  rngs: nnx.Rngs | None = None, std: float | None = None, bias: bool = False,
-                 init: tuple | None = None):
+                 init: tuple | None = None, out_major: bool = False):
         """`init`: (kernel, bias or None) arrays to take instead of a random init."""
-        shape, n_in = tuple(in_shape) + tuple(out_shape), len(in_shape)
+        n_in = len(in_shape)
+        kernel_axes = tuple(axes[n_in:]) + tuple(axes[:n_in]) if out_major else tuple(axes)
+        shape = ((tuple(out_shape) + tuple(in_shape)) if out_major
+                 else tuple(in_shape) + tuple(out_shape))
         if init is not None:
             kernel, b = init
             assert kernel.shape == shape, (kernel.shape, shape)
-            self.kernel = nnx.Param(kernel, out_sharding=tuple(axes), eager_sharding=False)
+            self.kernel = nnx.Param(kernel, out_sharding=kernel_axes, eager_sharding=False)
             self.bias = (None if b is None else
                          nnx.Param(b, out_sharding=tuple(axes[n_in:]), eager_sharding=False))
         else:
-            self.kernel = param(rngs, shape, axes, param_dtype, std=std)
+            self.kernel = param(rngs, shape, kernel_axes, param_dtype, std=std)
             self.bias = (param(rngs, tuple(out_shape), axes[n_in:], param_dtype, value=0.0)
                          if bias else None)
-        self.spec, self.dtype = spec, dtype
-        self.out_axes = tuple(axes[n_in:])
-        self.matmul_impl = "xla"  # "pallas_triton": the skinny decode kernel for <= 16 rows
+        if out_major:  # 'bsd,dhk->bshk' -> 'bsd,hkd->bshk'
+            x_part, rest = spec.split(",")
+            w_part, y_part = rest.split("->")
+            spec = f"{x_part},{w_part[n_in:]}{w_part[:n_in]}->{y_part}"
+        self.spec, self.dtype, self.out_major = spec, dtype, out_major
+        self.in_axes, self.out_axes = tuple(axes[:n_in]), tuple(axes[n_in:])
 
     def _few_rows(self, x):
-        """x (B, S, *in) @ W as one [B*S, K] x [K, N] product, for calls with at most 16
-        rows (decoding), or None to leave it to the einsum. Every spec here contracts x's
-        trailing axes with W's leading ones.
-
-        - matmul_impl "pallas_triton": the skinny decode kernel, where it fits;
-        - several contracted axes (the output projection's heads x head_dim): a 2-D dot.
-          With a handful of rows XLA lowers that einsum to an elementwise product the size
-          of the weight plus a reduction, twice the weight's bytes through HBM (measured:
-          docs/benchmarks.md).
+        """x (B, S, *in) @ W as one [B*S, K] x [K, N] product when W contracts several
+        axes (the output projection's heads x head_dim), for calls with at most 16 rows
+        (decoding); None to leave it to the einsum. With a handful of rows XLA lowers that
+        einsum to an elementwise product the size of the weight plus a reduction, twice
+        the weight's bytes through HBM (measured: docs/benchmarks.md).
         """
+        n_in = len(self.in_axes)
+        if n_in == 1:
+            return None
         w = self.kernel[...].astype(self.dtype)
-        n_in = w.ndim - len(self.out_axes)
+        n_out = w.ndim - n_in
+        out_shape = w.shape[:n_out] if self.out_major else w.shape[n_in:]
         b, s = x.shape[:2]
         x2 = x.reshape(b * s, -1).astype(self.dtype)
-        w2 = w.reshape(x2.shape[1], -1)
-        y = None
-        if self.matmul_impl == "pallas_triton":
-            from jaxllm.kernels.pallas import matmul_triton
-            if matmul_triton.unsupported_reason(x2, w2) is None:
-                y = matmul_triton.skinny_matmul(x2, w2)
-        if y is None and n_in > 1:
-            y = jnp.dot(x2, w2)
-        return None if y is None else y.reshape(b, s, *w.shape[n_in:])
+        y = (jnp.dot(x2, w.reshape(-1, x2.shape[1]).T) if self.out_major
+             else jnp.dot(x2, w.reshape(x2.shape[1], -1)))
+        return y.reshape(b, s, *out_shape)
 
     @classmethod
-    def fused(cls, parts: list["Linear"], axis: int, axes, spec: str, stack: bool = False):
+    def fused(cls, parts: list["Linear"], axis: int, axes, spec: str, stack: bool = False,
+              out_major: bool = False):
         """One Linear whose kernel joins the kernels of `parts` along kernel axis `axis`
-        (concatenated, or stacked on a new axis there): the input is read once and all the
-        weights by one matmul. Biases are joined the same way."""
-        first = parts[0]
-        join = jnp.stack if stack else jnp.concatenate
-        kernel = join([p.kernel[...] for p in parts], axis=axis)
-        n_in = first.kernel[...].ndim - len(first.out_axes)
+        (concatenated, or stacked on a new axis there; axes counted in the [*in, *out]
+        order): the input is read once and all the weights by one matmul. Biases are
+        joined the same way. A single part just changes layout (`out_major`)."""
+        first, join = parts[0], (jnp.stack if stack else jnp.concatenate)
+        kernel = join([p.in_major_kernel() for p in parts], axis=axis)
+        n_in = len(first.in_axes)
         bias = (None if first.bias is None else
                 join([p.bias[...] for p in parts], axis=axis - n_in))
-        return cls(kernel.shape[:n_in], kernel.shape[n_in:], axes, spec, dtype=first.dtype,
-                   param_dtype=kernel.dtype, init=(kernel, bias))
+        if out_major:
+            kernel = jnp.moveaxis(kernel, tuple(range(n_in)),
+                                  tuple(range(kernel.ndim - n_in, kernel.ndim)))
+        in_shape = kernel.shape[kernel.ndim - n_in:] if out_major else kernel.shape[:n_in]
+        out_shape = kernel.shape[:kernel.ndim - n_in] if out_major else kernel.shape[n_in:]
+        return cls(in_shape, out_shape, axes, spec, dtype=first.dtype,
+                   param_dtype=kernel.dtype, init=(kernel, bias), out_major=out_major)
+
+    def in_major_kernel(self):
+        """The kernel as [*in, *out], whatever the stored layout."""
+        w = self.kernel[...]
+        if not self.out_major:
+            return w
+        n_out = len(self.out_axes)
+        return jnp.moveaxis(w, tuple(range(n_out)), tuple(range(w.ndim - n_out, w.ndim)))
 
     def __call__(self, x):
         y = self._few_rows(x) if x.shape[0] * x.shape[1] <= 16 else None
@@ -174,12 +193,16 @@ class MLP(nnx.Module):
 
         self.gate_up = nnx.data(None)  # decode form, see fuse_projections
 
-    def fuse_projections(self):
-        """Decode form: gate and up become one [d, 2, mlp] weight, read by one matmul."""
+    def fuse_projections(self, out_major: bool = False):
+        """Decode form: gate and up become one [d, 2, mlp] weight, read by one matmul.
+        `out_major`: every weight stored [*out, *in], as the fused decode kernels read it."""
         if self.gate_up is None:
             self.gate_up = Linear.fused([self.gate, self.up], 1, ("embed", None, "mlp"),
-                                        "bsd,dtm->bstm", stack=True)
+                                        "bsd,dtm->bstm", stack=True, out_major=out_major)
             self.gate = self.up = None
+            if out_major:
+                self.down = Linear.fused([self.down], 0, ("mlp", "embed"), "bsm,md->bsd",
+                                         out_major=True)
         return self
 
     def __call__(self, x):

@@ -1,0 +1,291 @@
+"""Decode matmuls with their neighbours folded in: Pallas kernels, Triton lowering.
+
+At batch 1 a decoder layer is four weight reads (q/k/v, output, gate/up, down) with a
+dozen small elementwise steps between them: norms, RoPE, KV-cache writes, SwiGLU,
+residual adds. Each step is its own kernel launch and costs 1-2 us, as much as reading
+megabytes of weights. These kernels do the weight read and fold the steps around it
+into the same program:
+
+- prologue: RMSNorm of the input rows. rmsnorm(x) * scale @ W = (x * scale @ W) / rms(x),
+  so each program multiplies the input tiles by the norm scale as it streams them, sums
+  their squares on the way, and divides by the rms at the end (the input rows are a few
+  kilobytes, read from L2 by every program);
+- epilogue, one of
+  - "none": plain product, plus an optional residual added in float32;
+  - "glu": gate and up halves of one weight, out = silu(gate) * up (SwiGLU);
+  - "qkv": the joined q/k/v projection: RoPE on the q and k heads, q returned, and the
+    new k and v written straight into the layer's KV cache at each row's position.
+
+Weights are out-major, [N, K] (each output's weights contiguous), so a program streams
+whole rows of its weight block with wide loads, and no split over K is needed to fill the
+GPU: one program per 16 outputs (per 16 gate/up pairs, per 16 rotary pairs). The input
+rows (at most 16: batch x new tokens) are padded to the 16 rows tensor cores want inside
+the program; rows past the real ones are never stored.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+MAX_ROWS = 16  # decode has 1..16 rows (batch x new tokens)
+BLOCK_ROWS = 16  # outputs per program (per half for "glu" and "qkv") must divide by this
+EPILOGUES = ("none", "glu", "qkv")
+# Launch settings. Up to `fma_rows` rows the products run on CUDA cores: a program holds
+# [rows, fma_block_rows, K step] float32 partial products per weight block (at most
+# `fma_elems` of them) and sums over K once at the end, loading `prefetch` steps ahead of
+# its products; more rows use tensor cores (tl.dot, 16 padded rows, 16 outputs per
+# program, K steps of `block_k`). The model (Block._decode_fused) takes these kernels for
+# calls of at most `model_rows` rows and XLA's matmuls above: measured on the H200,
+# XLA is ahead from 2 rows on (docs/benchmarks.md).
+TUNED = {"block_k": 512, "num_warps": 4, "num_stages": 3, "fma_rows": 4,
+         "fma_block_rows": 4, "fma_elems": 8192, "prefetch": 1, "model_rows": 1}
+
+
+def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: str,
+            has_residual: bool, half: int, q_len: int, q_heads: int, kv_heads: int,
+            rows_pad: int, rb: int, fma: bool):
+    refs = list(refs)
+    x_ref, w_ref = refs.pop(0), refs.pop(0)
+    g_ref = refs.pop(0) if eps is not None else None
+    res_ref = refs.pop(0) if has_residual else None
+    if epilogue == "qkv":
+        pos_ref, freq_ref, _, _, q_ref, kc_ref, vc_ref = refs
+    else:
+        (o_ref,) = refs
+    mp, pid = rows_pad, pl.program_id(0)
+    rows = jnp.arange(mp)
+    row_ok = rows < m
+    src_rows = jnp.minimum(rows, m - 1)  # padding rows repeat the last real one
+    exact = x_ref.dtype == jnp.float32  # float32 inputs get float32 products
+
+    def load_x(k0):
+        r = jnp.broadcast_to(src_rows[:, None], (mp, block_k))
+        c = jnp.broadcast_to(k0 + jnp.arange(block_k)[None, :], (mp, block_k))
+        return pltriton.load(x_ref.at[r, c])
+
+    k_steps = k // block_k
+    # the weight rows this program reads: one block, or the two halves of a pair
+    if epilogue == "none":
+        starts = (pid * rb,)
+    else:
+        per_pair = half // rb
+        p, c = pid // per_pair, pid % per_pair  # pair group (head), block within the half
+        first = p * 2 * half + c * rb
+        starts = (first, first + half)
+
+    def load(i):
+        """Step i's tiles: input rows, norm scale (or None), weight blocks."""
+        k0 = i * block_k
+        g = g_ref[pl.ds(k0, block_k)] if eps is not None else None
+        return load_x(k0), g, tuple(w_ref[pl.ds(s, rb), pl.ds(k0, block_k)] for s in starts)
+
+    ahead = TUNED["prefetch"] if fma else 0  # steps loaded before their products
+
+    def step(i, carry):
+        accs, ss, queue = carry
+        if ahead:  # issue a later step's loads before this step's products
+            (x, g, ws), queue = queue[0], queue[1:] + (load(jnp.minimum(i + ahead,
+                                                                        k_steps - 1)),)
+        else:  # Triton pipelines the loads that feed tl.dot itself (num_stages)
+            x, g, ws = load(i)
+        if eps is not None:  # RMSNorm: products of x * scale; 1 / rms(x) applied at the end
+            x32 = x.astype(jnp.float32)
+            ss = ss + (x32 * x32).sum(axis=1)
+            x = x32 * g.astype(jnp.float32)[None, :]
+        out = []
+        for acc, w in zip(accs, ws):
+            if fma:  # CUDA-core products, summed over K once at the end
+                out.append(acc + x.astype(jnp.float32)[:, None, :]
+                           * w.astype(jnp.float32)[None, :, :])
+            else:
+                out.append(acc + pltriton.dot(x.astype(x_ref.dtype), w, trans_b=True,
+                                              allow_tf32=not exact))
+        return tuple(out), ss, queue
+
+    acc_shape = (mp, rb, block_k) if fma else (mp, rb)
+    init = (tuple(jnp.zeros(acc_shape, jnp.float32) for _ in starts),
+            jnp.zeros((mp,), jnp.float32),
+            tuple(load(min(i, k_steps - 1)) for i in range(ahead)))
+    accs, ss, _ = jax.lax.fori_loop(0, k_steps, step, init)
+    if fma:
+        accs = tuple(acc.sum(axis=2) for acc in accs)
+    if eps is not None:
+        inv_rms = jax.lax.rsqrt(ss / k + eps)
+        accs = tuple(acc * inv_rms[:, None] for acc in accs)
+    # stores index the real row numbers, masked (clamped ones would alias the last row)
+    r2 = jnp.broadcast_to(rows[:, None], (mp, rb))
+    ok2 = jnp.broadcast_to(row_ok[:, None], (mp, rb))
+    j = jnp.arange(rb)
+
+    if epilogue == "none":
+        y = accs[0]
+        cols = jnp.broadcast_to((pid * rb + j)[None, :], (mp, rb))
+        if has_residual:
+            src = jnp.broadcast_to(src_rows[:, None], (mp, rb))
+            y = y + pltriton.load(res_ref.at[src, cols]).astype(jnp.float32)
+        pltriton.store(o_ref.at[r2, cols], y.astype(o_ref.dtype), mask=ok2)
+    elif epilogue == "glu":
+        gate, up = accs
+        y = gate / (1.0 + jnp.exp(-gate)) * up  # silu(gate) * up
+        cols = jnp.broadcast_to((c * rb + j)[None, :], (mp, rb))
+        pltriton.store(o_ref.at[r2, cols], y.astype(o_ref.dtype), mask=ok2)
+    else:  # "qkv": head p; rotary pairs (c*rb + j, half + c*rb + j) of its head_dim
+        a, b = accs
+        pos = pltriton.load(pos_ref.at[src_rows]).astype(jnp.float32)  # [rows]
+        freq = freq_ref[pl.ds(c * rb, rb)]
+        angle = pos[:, None] * freq[None, :]
+        cos, sin = jnp.cos(angle), jnp.sin(angle)
+        rotate = p < q_heads + kv_heads  # q and k heads; v is stored as it is
+        a, b = jnp.where(rotate, a * cos - b * sin, a), jnp.where(rotate, b * cos + a * sin, b)
+        d_a = jnp.broadcast_to((c * rb + j)[None, :], (mp, rb))
+        d_b = d_a + half
+        is_q = p < q_heads
+        # q [M, Hq, D]
+        hq = jnp.minimum(p, q_heads - 1)
+        qh = jnp.full((mp, rb), hq, jnp.int32)
+        pltriton.store(q_ref.at[r2, qh, d_a], a.astype(q_ref.dtype), mask=ok2 & is_q)
+        pltriton.store(q_ref.at[r2, qh, d_b], b.astype(q_ref.dtype), mask=ok2 & is_q)
+        # the cache [B, Hkv, T, D] of k (heads q_heads..) or v (the last kv_heads)
+        is_k = (p >= q_heads) & (p < q_heads + kv_heads)
+        is_v = p >= q_heads + kv_heads
+        hkv = jnp.where(is_k, p - q_heads, p - q_heads - kv_heads)
+        hkv = jnp.clip(hkv, 0, kv_heads - 1)
+        bi = r2 // q_len
+        hh = jnp.full((mp, rb), hkv, jnp.int32)
+        tt = jnp.broadcast_to(pltriton.load(pos_ref.at[src_rows])[:, None], (mp, rb))
+        for ref, sel in ((kc_ref, is_k), (vc_ref, is_v)):
+            pltriton.store(ref.at[bi, hh, tt, d_a], a.astype(ref.dtype), mask=ok2 & sel)
+            pltriton.store(ref.at[bi, hh, tt, d_b], b.astype(ref.dtype), mask=ok2 & sel)
+
+
+def _block_k(k: int, most: int = 512) -> int | None:
+    """The largest power of two <= `most` dividing K, at least 16."""
+    bk = most
+    while bk >= 16 and k % bk:
+        bk //= 2
+    return bk if bk >= 16 else None
+
+
+def unsupported_reason(x, w, epilogue: str = "none") -> str | None:
+    """Why the kernel cannot take x [M, K] and out-major w (None if it can)."""
+    m, k = x.shape
+    if m > MAX_ROWS:
+        return f"{m} rows: the decode kernels take at most {MAX_ROWS}"
+    if w.shape[-1] != k:
+        return f"weight {w.shape} does not contract K={k} on its last axis"
+    if _block_k(k) is None:
+        return f"K={k} is not a multiple of 16"
+    outputs = w.shape[-2]  # N, R (glu) or D (qkv)
+    per_block = outputs // 2 if epilogue == "qkv" else outputs
+    if per_block % BLOCK_ROWS:
+        return (f"{'head_dim / 2' if epilogue == 'qkv' else 'the output size'} = {per_block} "
+                f"is not a multiple of {BLOCK_ROWS}")
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("epilogue", "eps", "q_len", "q_heads", "fma",
+                                             "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=None,
+                epilogue: str = "none", positions=None, inv_freq=None, q_len: int = 1,
+                q_heads: int = 0, k_cache=None, v_cache=None, fma: bool | None = None,
+                block_k: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None,
+                interpret: bool | None = None):
+    """out = epilogue(prologue(x) @ w^T) for x [M, K] with M <= 16, in x's dtype.
+
+    prologue: with `norm_scale` [K] (and `eps`), x becomes rmsnorm(x) * norm_scale (as
+    `model.layers.RMSNorm`; float32 here, where RMSNorm rounds its output to x's dtype).
+    epilogue:
+      "none": w [N, K] -> [M, N], plus `residual` [M, N] if given;
+      "glu":  w [2, R, K] (gate, up) -> silu(x w[0]^T) * (x w[1]^T), [M, R];
+      "qkv":  w [Hq + 2 Hkv, D, K] -> (q [M, Hq, D], k_cache, v_cache): rotary embedding
+              (half-split) at `positions` [M] with `inv_freq` [D/2] on the q and k heads;
+              row m = b * q_len + s is token s of cache row b, whose k and v are written
+              into k_cache / v_cache [B, Hkv, T, D] at position positions[m] (in place
+              inside a jitted step whose caches are not used again, as in a decode loop).
+    fma (CUDA-core products rather than tensor cores), block_k, num_warps, num_stages:
+    default from `TUNED`.
+    """
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r}; choose one of {EPILOGUES}")
+    why = unsupported_reason(x, w, epilogue)
+    if why:
+        raise ValueError(f"decode_gemv: {why}")
+    if (norm_scale is None) != (eps is None):
+        raise ValueError("decode_gemv: the norm prologue needs both norm_scale and eps")
+    if residual is not None and epilogue != "none":
+        raise ValueError(f"decode_gemv: a residual goes with epilogue 'none', not {epilogue!r}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    m, k = x.shape
+    fma = m <= TUNED["fma_rows"] if fma is None else fma
+    rows_pad = 1 << (m - 1).bit_length() if fma else MAX_ROWS
+    rb = TUNED["fma_block_rows"] if fma else BLOCK_ROWS
+    n_acc = 1 if epilogue == "none" else 2
+    most = TUNED["fma_elems"] // (rows_pad * rb * n_acc) if fma else TUNED["block_k"]
+    block_k = block_k or _block_k(k, max(16, most))
+    num_warps = num_warps or TUNED["num_warps"]
+    num_stages = num_stages or TUNED["num_stages"]
+    if k % block_k:
+        raise ValueError(f"decode_gemv: block_k={block_k} does not divide K={k}")
+    half, kv_heads = 0, 0
+    if epilogue == "none":
+        n_out = w.shape[0]
+        grid = n_out // rb
+        out_shape = jax.ShapeDtypeStruct((m, n_out), x.dtype)
+    elif epilogue == "glu":
+        if w.ndim != 3 or w.shape[0] != 2:
+            raise ValueError(f"decode_gemv: a glu weight is [2, R, K], got {w.shape}")
+        half = w.shape[1]
+        grid = half // rb
+        out_shape = jax.ShapeDtypeStruct((m, half), x.dtype)
+    else:
+        heads, head_dim = w.shape[0], w.shape[1]
+        kv_heads = (heads - q_heads) // 2
+        if q_heads <= 0 or kv_heads <= 0 or q_heads + 2 * kv_heads != heads:
+            raise ValueError(f"decode_gemv: a qkv weight of {heads} heads does not split into "
+                             f"q_heads={q_heads} and two equal k and v parts")
+        if k_cache is None or v_cache is None or positions is None or inv_freq is None:
+            raise ValueError("decode_gemv: epilogue 'qkv' needs positions, inv_freq, k_cache "
+                             "and v_cache")
+        if k_cache.shape[1] != kv_heads or k_cache.shape[3] != head_dim or m % q_len or \
+                k_cache.shape[0] != m // q_len:
+            raise ValueError(f"decode_gemv: cache {k_cache.shape} does not match {m} rows of "
+                             f"{q_len} tokens, {kv_heads} kv heads of {head_dim}")
+        half = head_dim // 2
+        grid = heads * (half // rb)
+        out_shape = (jax.ShapeDtypeStruct((m, q_heads, head_dim), x.dtype),
+                     jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                     jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+
+    args = [x, w.reshape(-1, k).astype(x.dtype)]
+    if eps is not None:
+        args.append(norm_scale)
+    if residual is not None:
+        args.append(residual)
+    aliases = {}
+    if epilogue == "qkv":
+        args += [positions.reshape(m).astype(jnp.int32), inv_freq.astype(jnp.float32),
+                 k_cache, v_cache]
+        aliases = {len(args) - 2: 1, len(args) - 1: 2}
+    kernel = functools.partial(
+        _kernel, m=m, k=k, block_k=block_k, eps=eps, epilogue=epilogue,
+        has_residual=residual is not None, half=half, q_len=q_len, q_heads=q_heads,
+        kv_heads=kv_heads, rows_pad=rows_pad, rb=rb, fma=fma)
+    return pl.pallas_call(
+        kernel,
+        grid=(grid,),
+        in_specs=[pl.no_block_spec] * len(args),
+        out_specs=(pl.no_block_spec if epilogue != "qkv" else (pl.no_block_spec,) * 3),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=(f"decode_gemv_{epilogue}{'_norm' if eps is not None else ''}"
+              f"_{'fma' if fma else 'dot'}_bk{block_k}"),
+    )(*args)

@@ -1,0 +1,90 @@
+"""The fused decode matmuls (`kernels/pallas/gemv_triton.py`) against
+`kernels/reference.decode_gemv`, in interpret mode on the CPU (on the GPU when present)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.kernels import reference
+from jaxllm.kernels.pallas.gemv_triton import decode_gemv, unsupported_reason
+
+TOL = {jnp.float32: 2e-4, jnp.bfloat16: 3e-2}
+
+
+def _close(got, want, dtype):
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tol, atol=tol)
+
+
+# fma: CUDA-core products (the default up to TUNED["fma_rows"] rows), else tensor cores
+@pytest.mark.parametrize("m,k,n,dtype,norm,residual,fma", [
+    (1, 96, 32, jnp.float32, False, False, True),   # K = 32 x 3: 32-wide steps
+    (3, 96, 32, jnp.float32, True, True, False),    # the same on tensor cores, 3 rows
+    (5, 64, 48, jnp.float32, True, True, True),     # norm prologue, residual, 5 -> 8 rows
+    (16, 128, 32, jnp.bfloat16, True, False, None),  # the most rows it takes, bf16
+])
+def test_plain_and_residual(m, k, n, dtype, norm, residual, fma):
+    ks = jax.random.split(jax.random.key(m * 100 + k), 4)
+    x = jax.random.normal(ks[0], (m, k), dtype)
+    w = (jax.random.normal(ks[1], (n, k)) / k ** 0.5).astype(dtype)
+    opts = {}
+    if norm:
+        opts = dict(norm_scale=1 + 0.1 * jax.random.normal(ks[2], (k,), dtype), eps=1e-5)
+    if residual:
+        opts["residual"] = jax.random.normal(ks[3], (m, n), dtype)
+    got = decode_gemv(x, w, fma=fma, **opts)
+    assert got.shape == (m, n) and got.dtype == dtype
+    _close(got, reference.decode_gemv(x, w, **opts), dtype)
+
+
+@pytest.mark.parametrize("m,dtype,fma", [(1, jnp.float32, None), (3, jnp.bfloat16, None),
+                                         (2, jnp.float32, False)])
+def test_glu(m, dtype, fma):
+    k, r = 64, 48
+    ks = jax.random.split(jax.random.key(m), 3)
+    x = jax.random.normal(ks[0], (m, k), dtype)
+    w = (jax.random.normal(ks[1], (2, r, k)) / k ** 0.5).astype(dtype)
+    scale = 1 + 0.1 * jax.random.normal(ks[2], (k,), dtype)
+    got = decode_gemv(x, w, norm_scale=scale, eps=1e-6, epilogue="glu", fma=fma)
+    assert got.shape == (m, r)
+    _close(got, reference.decode_gemv(x, w, norm_scale=scale, eps=1e-6, epilogue="glu"), dtype)
+
+
+@pytest.mark.parametrize("batch,q_len,hq,hkv,dtype", [
+    (1, 1, 4, 2, jnp.float32),   # batch-1 decode, GQA (CUDA-core products)
+    (2, 3, 2, 1, jnp.float32),   # speculative verify: 3 new tokens per row, MQA (tensor cores)
+    (4, 1, 2, 2, jnp.bfloat16),  # MHA, bf16
+])
+def test_qkv_rope_and_cache_writes(batch, q_len, hq, hkv, dtype):
+    k, d, t = 64, 32, 24
+    m = batch * q_len
+    ks = jax.random.split(jax.random.key(batch * 10 + q_len), 6)
+    x = jax.random.normal(ks[0], (m, k), dtype)
+    w = (jax.random.normal(ks[1], (hq + 2 * hkv, d, k)) / k ** 0.5).astype(dtype)
+    scale = 1 + 0.1 * jax.random.normal(ks[2], (k,), dtype)
+    k_cache = jax.random.normal(ks[3], (batch, hkv, t, d), dtype)
+    v_cache = jax.random.normal(ks[4], (batch, hkv, t, d), dtype)
+    start = jax.random.randint(ks[5], (batch,), 0, t - q_len)
+    positions = (start[:, None] + jnp.arange(q_len)).reshape(m)
+    inv_freq = 10000.0 ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    opts = dict(norm_scale=scale, eps=1e-5, epilogue="qkv", positions=positions,
+                inv_freq=inv_freq, q_len=q_len, q_heads=hq)
+    want = reference.decode_gemv(x, w, k_cache=k_cache, v_cache=v_cache, **opts)
+    got = decode_gemv(x, w, k_cache=k_cache, v_cache=v_cache, **opts)
+    assert got[0].shape == (m, hq, d)
+    for g, wnt in zip(got, want):  # q, then every cache entry: new rows and untouched ones
+        _close(g, wnt, dtype)
+
+
+def test_refuses_what_it_cannot_take():
+    x = jnp.ones((17, 64))
+    assert "17 rows" in unsupported_reason(x, jnp.ones((32, 64)))
+    assert "multiple of 16" in unsupported_reason(x[:2, :40], jnp.ones((32, 40)))
+    assert "output size" in unsupported_reason(x[:2], jnp.ones((24, 64)))
+    with pytest.raises(ValueError, match="epilogue"):
+        decode_gemv(x[:2], jnp.ones((32, 64)), epilogue="gelu")
+    with pytest.raises(ValueError, match="norm_scale and eps"):
+        decode_gemv(x[:2], jnp.ones((32, 64)), norm_scale=jnp.ones(64))
+    with pytest.raises(ValueError, match="q_heads"):
+        decode_gemv(x[:2], jnp.ones((5, 32, 64)), epilogue="qkv", q_heads=2)
