@@ -1,7 +1,10 @@
 import os
 
-# Tests run on the CPU; 8 simulated devices let sharding tests build real meshes.
+# Tests run on the CPU (JAX_PLATFORMS=cuda runs them on a GPU); 8 simulated devices let
+# sharding tests build real meshes. float32 products are exact on a GPU too (no TF32), so
+# the float32 tolerances mean the same there.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()

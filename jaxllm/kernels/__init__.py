@@ -81,9 +81,11 @@ def _resolve(table: dict[str, str], name: str) -> tuple[Callable | None, str | N
 
 def _supports(fn, args) -> bool:
     """Whether an implementation takes these inputs. A kernel module with a narrower
-    domain than the public API (e.g. pallas_mosaic: bf16/f16, D in {64, 128, 256})
-    says so with `unsupported_reason(*args)`; `auto` then moves on to the next one."""
-    check = getattr(importlib.import_module(fn.__module__), "unsupported_reason", None)
+    domain than the public API (e.g. pallas_mosaic: bf16/f16, D in {64, 128, 256};
+    cuDNN: bf16/f16) says so with `unsupported_reason(*args)`, on the function or its
+    module; `auto` then moves on to the next one."""
+    check = (getattr(fn, "unsupported_reason", None)  # a function's own, else its module's
+             or getattr(importlib.import_module(fn.__module__), "unsupported_reason", None))
     return check is None or not args or check(*args) is None
 
 

@@ -31,6 +31,15 @@ def cudnn_attention(q, k, v, *, causal: bool, sm_scale: float):
                                         implementation="cudnn")
 
 
+def _cudnn_unsupported_reason(q, *_) -> str | None:
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN fused attention takes bf16 or f16, not {q.dtype}"
+    return None
+
+
+cudnn_attention.unsupported_reason = _cudnn_unsupported_reason  # `auto` skips it then
+
+
 def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None,
                      sm_scale: float | None = None):
     """Attention of new queries over a contiguous cache, masking keys after each query.

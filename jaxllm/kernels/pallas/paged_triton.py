@@ -120,8 +120,10 @@ def _sm_count() -> int:
 
 
 def _pick_splits(batch: int, kv_heads: int, n_steps_total: int) -> int:
-    """Enough programs to fill the GPU a few times over. A small batch gets splits of one
-    step each: its time is then one program's latency rather than a chain of steps."""
+    """Splits along the context per (sequence, kv head): enough programs to fill the GPU
+    a few times over, down to one step each, so that a small batch costs one program's
+    latency rather than a chain of steps (batch-1 decoding in the model: 6.8 -> 4.5 us a
+    layer on the H200)."""
     want = pl.cdiv(4 * _sm_count(), batch * kv_heads)
     return max(1, min(want, n_steps_total))
 
