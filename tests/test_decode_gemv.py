@@ -38,8 +38,7 @@ def test_plain_and_residual(m, k, n, dtype, norm, residual, fma):
     _close(got, reference.decode_gemv(x, w, **opts), dtype)
 
 
-@pytest.mark.parametrize("m,dtype,fma", [(1, jnp.float32, None), (3, jnp.bfloat16, None),
-                                         (2, jnp.float32, False)])
+@pytest.mark.parametrize("m,dtype,fma", [(1, jnp.bfloat16, None), (2, jnp.float32, False)])
 def test_glu(m, dtype, fma):
     k, r = 64, 48
     ks = jax.random.split(jax.random.key(m), 3)
@@ -52,9 +51,8 @@ def test_glu(m, dtype, fma):
 
 
 @pytest.mark.parametrize("batch,q_len,hq,hkv,dtype", [
-    (1, 1, 4, 2, jnp.float32),   # batch-1 decode, GQA (CUDA-core products)
+    (1, 1, 4, 2, jnp.bfloat16),  # batch-1 decode, GQA, bf16 (CUDA-core products)
     (2, 3, 2, 1, jnp.float32),   # speculative verify: 3 new tokens per row, MQA (tensor cores)
-    (4, 1, 2, 2, jnp.bfloat16),  # MHA, bf16
 ])
 def test_qkv_rope_and_cache_writes(batch, q_len, hq, hkv, dtype):
     k, d, t = 64, 32, 24
