@@ -50,10 +50,11 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), cache
 
     def _decode_fused(self, x, positions, cache: KVCache, layer: int):
-        """The block for a few new tokens (decoding, speculative verify) in five kernels:
-        norm + q/k/v + RoPE + cache write, attention over the cache, output projection +
-        residual, norm + gate/up + SwiGLU, down projection + residual
-        (kernels/pallas/gemv_triton.py). The same numbers as __call__, to rounding."""
+        """The block for a few new tokens (at most gemv_triton.TUNED["model_rows"] rows:
+        one-token steps at batch 1 by default) in five kernels: norm + q/k/v + RoPE +
+        cache write, attention over the cache, output projection + residual, norm +
+        gate/up + SwiGLU, down projection + residual (kernels/pallas/gemv_triton.py). The
+        same numbers as __call__, to rounding."""
         from jaxllm.kernels.pallas import gemv_triton
 
         attn, mlp = self.attn, self.mlp
@@ -174,9 +175,10 @@ class Decoder(nnx.Module):
         numbers are the same; training keeps the separate weights.
 
         `matmul_impl="pallas_triton"` also stores every layer weight out-major and runs a
-        block's decode steps (at most 16 new tokens, per-layer cache) in the fused decode
-        kernels (`Block._decode_fused`): norms, RoPE, cache writes, SwiGLU and residual
-        adds folded into the four weight reads. Single-device only (the kernels see whole
+        block's decode steps over a per-layer cache with few rows (gemv_triton.TUNED
+        ["model_rows"]: 1 by default, where they measure faster than XLA) in the fused
+        decode kernels (`Block._decode_fused`): norms, RoPE, cache writes, SwiGLU and
+        residual adds folded into the four weight reads. Single-device only (the kernels see whole
         weights); blocks with q/k/v biases keep the XLA path.
         """
         if matmul_impl not in ("xla", "pallas_triton"):
