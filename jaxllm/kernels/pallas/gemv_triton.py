@@ -18,9 +18,11 @@ into the same program:
 
 Weights are out-major, [N, K] (each output's weights contiguous), so a program streams
 whole rows of its weight block with wide loads, and no split over K is needed to fill the
-GPU: one program per 16 outputs (per 16 gate/up pairs, per 16 rotary pairs). The input
-rows (at most 16: batch x new tokens) are padded to the 16 rows tensor cores want inside
-the program; rows past the real ones are never stored.
+GPU: one program per few outputs (gate/up pairs, rotary pairs; `TUNED`). With a handful
+of input rows (batch x new tokens) the products run on CUDA cores in float32, each
+program summing its partial products over K once at the end; with more, on tensor cores
+(the rows padded to the 16 they want inside the program). Rows past the real ones are
+never stored.
 """
 from __future__ import annotations
 
