@@ -80,7 +80,7 @@ def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: st
 
     def split(blk):
         """Block -> (pair group (head), block within the half); pairs only."""
-        return blk // (half // rb), blk % (half // rb)
+        return blk // (half // rb), _rem(blk, half // rb)
 
     def starts(blk):
         """The weight rows of a block: one run of rb, or the same run in both halves."""
@@ -93,7 +93,7 @@ def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: st
     def load(t):
         """Step t's tiles: input rows, norm scale (or None), weight blocks."""
         blk = pid + (t // k_steps) * n_programs
-        k0 = (t % k_steps) * block_k
+        k0 = _rem(t, k_steps) * block_k
         g = g_ref[pl.ds(k0, block_k)] if eps is not None else None
         return load_x(k0), g, tuple(w_ref[pl.ds(s, rb), pl.ds(k0, block_k)]
                                     for s in starts(blk))
@@ -123,7 +123,7 @@ def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: st
                                               allow_tf32=not exact))
         accs = tuple(out)
         if persistent:  # a block's last step: its outputs, then fresh sums
-            last = t % k_steps == k_steps - 1
+            last = _rem(t, k_steps) == k_steps - 1
             blk = pid + (t // k_steps) * n_programs
 
             @pl.when(last)
@@ -189,10 +189,16 @@ def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: st
 
     init = (tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(n_acc)),
             jnp.zeros((mp,), jnp.float32),
-            tuple(load(jnp.minimum(i, n_steps - 1)) for i in range(ahead)))
+            # every program has a block, so at least k_steps steps
+            tuple(load(min(i, k_steps - 1)) for i in range(ahead)))
     accs, ss, _ = jax.lax.fori_loop(0, n_steps, step, init)
     if not persistent:
         finish(pid, accs, ss)
+
+
+def _rem(a, b):
+    """a % b for a >= 0 (jnp's % on a loop index does not lower to Triton in jax 0.10-0.11)."""
+    return a % b if isinstance(a, int) else jax.lax.rem(a, b)
 
 
 def _sm_count() -> int:
