@@ -1,7 +1,7 @@
 """Decode steps with XLA's matmuls against jaxllm's fused decode kernels, same model.
 
     PYTHONPATH=. python benchmarks/decode_matmul.py [--config configs/llama_1b.yaml]
-        [--batches 1,4,16] [--sweep launch|rows|persistent]
+        [--batches 1,4,16] [--sweep launch|rows]
 
 The decode form of the model (per-layer weights, q/k/v and gate/up joined) decodes
 --new-tokens greedy tokens after a random prompt of --prompt-len, once with
@@ -33,8 +33,6 @@ SWEEPS = {  # launch settings (gemv_triton.TUNED) to time besides the defaults
     "launch": [dict(prefetch=2), dict(prefetch=0), dict(fma_block_rows=4),
                dict(fma_block_rows=16, fma_elems=16384), dict(num_stages=1)],
     "rows": [dict(fma_rows=0), dict(fma_rows=16)],  # tensor cores / CUDA cores at any rows
-    "persistent": [dict(persistent=2), dict(persistent=4), dict(persistent=1),
-                   dict(persistent=2, fma_block_rows=8)],
 }
 
 

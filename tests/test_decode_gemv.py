@@ -86,28 +86,3 @@ def test_refuses_what_it_cannot_take():
         decode_gemv(x[:2], jnp.ones((32, 64)), norm_scale=jnp.ones(64))
     with pytest.raises(ValueError, match="q_heads"):
         decode_gemv(x[:2], jnp.ones((5, 32, 64)), epilogue="qkv", q_heads=2)
-
-
-def test_persistent_programs(monkeypatch):
-    """Fewer programs than output blocks (each streams every n-th block): same results."""
-    from jaxllm.kernels.pallas import gemv_triton
-
-    monkeypatch.setitem(gemv_triton.TUNED, "persistent", 1)  # 2 programs in the interpreter
-    ks = jax.random.split(jax.random.key(11), 6)
-    k, d, hq, hkv = 64, 32, 2, 1
-    x = jax.random.normal(ks[0], (1, k))
-    scale = 1 + 0.1 * jax.random.normal(ks[1], (k,))
-    w = jax.random.normal(ks[2], (64, k)) / k ** 0.5  # 16 blocks of 4 outputs
-    res = jax.random.normal(ks[3], (1, 64))
-    _close(decode_gemv(x, w, residual=res), reference.decode_gemv(x, w, residual=res),
-           jnp.float32)
-    wg = w.reshape(2, 32, k)
-    opts = dict(norm_scale=scale, eps=1e-6, epilogue="glu")
-    _close(decode_gemv(x, wg, **opts), reference.decode_gemv(x, wg, **opts), jnp.float32)
-    wq = jax.random.normal(ks[4], (hq + 2 * hkv, d, k)) / k ** 0.5
-    cache = jax.random.normal(ks[5], (2, 1, hkv, 8, d))
-    opts = dict(norm_scale=scale, eps=1e-6, epilogue="qkv", positions=jnp.array([5]),
-                inv_freq=10000.0 ** (-jnp.arange(0, d, 2) / d), q_heads=hq,
-                k_cache=cache[0], v_cache=cache[1])
-    for g, want in zip(decode_gemv(x, wq, **opts), reference.decode_gemv(x, wq, **opts)):
-        _close(g, want, jnp.float32)

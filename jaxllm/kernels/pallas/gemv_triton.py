@@ -43,16 +43,13 @@ EPILOGUES = ("none", "glu", "qkv")
 # program, K steps of `block_k`). The model (Block._decode_fused) takes these kernels for
 # calls of at most `model_rows` rows and XLA's matmuls above: measured on the H200,
 # XLA is ahead from 2 rows on (docs/benchmarks.md).
-# `persistent` > 0: that many programs per SM, each taking every n-th block of outputs in
-# one stream of loads (0: one program per block).
 TUNED = {"block_k": 512, "num_warps": 4, "num_stages": 3, "fma_rows": 4,
-         "fma_block_rows": 4, "fma_elems": 8192, "prefetch": 1, "model_rows": 1,
-         "persistent": 0}
+         "fma_block_rows": 4, "fma_elems": 8192, "prefetch": 1, "model_rows": 1}
 
 
 def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: str,
             has_residual: bool, half: int, q_len: int, q_heads: int, kv_heads: int,
-            rows_pad: int, rb: int, fma: bool, n_blocks: int, n_programs: int):
+            rows_pad: int, rb: int, fma: bool):
     refs = list(refs)
     x_ref, w_ref = refs.pop(0), refs.pop(0)
     g_ref = refs.pop(0) if eps is not None else None
@@ -66,49 +63,37 @@ def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: st
     row_ok = rows < m
     src_rows = jnp.minimum(rows, m - 1)  # padding rows repeat the last real one
     exact = x_ref.dtype == jnp.float32  # float32 inputs get float32 products
-    k_steps = k // block_k
-    # Fewer programs than blocks: program pid takes blocks pid, pid + n_programs, ... in one
-    # stream of steps, its loads running ahead across block boundaries.
-    persistent = n_programs < n_blocks
-    n_steps = ((n_blocks - pid + n_programs - 1) // n_programs * k_steps if persistent
-               else k_steps)
 
     def load_x(k0):
         r = jnp.broadcast_to(src_rows[:, None], (mp, block_k))
         c = jnp.broadcast_to(k0 + jnp.arange(block_k)[None, :], (mp, block_k))
         return pltriton.load(x_ref.at[r, c])
 
-    def split(blk):
-        """Block -> (pair group (head), block within the half); pairs only."""
-        return blk // (half // rb), _rem(blk, half // rb)
-
-    def starts(blk):
-        """The weight rows of a block: one run of rb, or the same run in both halves."""
-        if epilogue == "none":
-            return (blk * rb,)
-        p, c = split(blk)
+    k_steps = k // block_k
+    # the weight rows this program reads: one block, or the two halves of a pair
+    if epilogue == "none":
+        starts = (pid * rb,)
+    else:
+        per_pair = half // rb
+        p, c = pid // per_pair, pid % per_pair  # pair group (head), block within the half
         first = p * 2 * half + c * rb
-        return first, first + half
+        starts = (first, first + half)
 
-    def load(t):
-        """Step t's tiles: input rows, norm scale (or None), weight blocks."""
-        blk = pid + (t // k_steps) * n_programs
-        k0 = _rem(t, k_steps) * block_k
+    def load(i):
+        """Step i's tiles: input rows, norm scale (or None), weight blocks."""
+        k0 = i * block_k
         g = g_ref[pl.ds(k0, block_k)] if eps is not None else None
-        return load_x(k0), g, tuple(w_ref[pl.ds(s, rb), pl.ds(k0, block_k)]
-                                    for s in starts(blk))
+        return load_x(k0), g, tuple(w_ref[pl.ds(s, rb), pl.ds(k0, block_k)] for s in starts)
 
     ahead = TUNED["prefetch"] if fma else 0  # steps loaded before their products
-    n_acc = 1 if epilogue == "none" else 2
-    acc_shape = (mp, rb, block_k) if fma else (mp, rb)
 
-    def step(t, carry):
+    def step(i, carry):
         accs, ss, queue = carry
         if ahead:  # issue a later step's loads before this step's products
-            (x, g, ws), queue = queue[0], queue[1:] + (load(jnp.minimum(t + ahead,
-                                                                        n_steps - 1)),)
+            (x, g, ws), queue = queue[0], queue[1:] + (load(jnp.minimum(i + ahead,
+                                                                        k_steps - 1)),)
         else:  # Triton pipelines the loads that feed tl.dot itself (num_stages)
-            x, g, ws = load(t)
+            x, g, ws = load(i)
         if eps is not None:  # RMSNorm: products of x * scale; 1 / rms(x) applied at the end
             x32 = x.astype(jnp.float32)
             ss = ss + (x32 * x32).sum(axis=1)
@@ -121,51 +106,40 @@ def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: st
             else:
                 out.append(acc + pltriton.dot(x.astype(x_ref.dtype), w, trans_b=True,
                                               allow_tf32=not exact))
-        accs = tuple(out)
-        if persistent:  # a block's last step: its outputs, then fresh sums
-            last = _rem(t, k_steps) == k_steps - 1
-            blk = pid + (t // k_steps) * n_programs
+        return tuple(out), ss, queue
 
-            @pl.when(last)
-            def _():
-                finish(blk, accs, ss)
+    acc_shape = (mp, rb, block_k) if fma else (mp, rb)
+    init = (tuple(jnp.zeros(acc_shape, jnp.float32) for _ in starts),
+            jnp.zeros((mp,), jnp.float32),
+            tuple(load(min(i, k_steps - 1)) for i in range(ahead)))
+    accs, ss, _ = jax.lax.fori_loop(0, k_steps, step, init)
+    if fma:
+        accs = tuple(acc.sum(axis=2) for acc in accs)
+    if eps is not None:
+        inv_rms = jax.lax.rsqrt(ss / k + eps)
+        accs = tuple(acc * inv_rms[:, None] for acc in accs)
+    # stores index the real row numbers, masked (clamped ones would alias the last row)
+    r2 = jnp.broadcast_to(rows[:, None], (mp, rb))
+    ok2 = jnp.broadcast_to(row_ok[:, None], (mp, rb))
+    j = jnp.arange(rb)
 
-            accs = tuple(jnp.where(last, 0.0, acc) for acc in accs)
-            ss = jnp.where(last, 0.0, ss)
-        return accs, ss, queue
-
-    def finish(blk, accs, ss):
-        if fma:
-            accs = tuple(acc.sum(axis=2) for acc in accs)
-        if eps is not None:
-            inv_rms = jax.lax.rsqrt(ss / k + eps)
-            accs = tuple(acc * inv_rms[:, None] for acc in accs)
-        _epilogue(blk, accs)
-
-    def _epilogue(blk, accs):
-        # stores index the real row numbers, masked (clamped ones would alias the last row)
-        r2 = jnp.broadcast_to(rows[:, None], (mp, rb))
-        ok2 = jnp.broadcast_to(row_ok[:, None], (mp, rb))
-        j = jnp.arange(rb)
-        if epilogue == "none":
-            y = accs[0]
-            cols = jnp.broadcast_to((blk * rb + j)[None, :], (mp, rb))
-            if has_residual:
-                src = jnp.broadcast_to(src_rows[:, None], (mp, rb))
-                y = y + pltriton.load(res_ref.at[src, cols]).astype(jnp.float32)
-            pltriton.store(o_ref.at[r2, cols], y.astype(o_ref.dtype), mask=ok2)
-            return
-        p, c = split(blk)
-        if epilogue == "glu":
-            gate, up = accs
-            y = gate / (1.0 + jnp.exp(-gate)) * up  # silu(gate) * up
-            cols = jnp.broadcast_to((c * rb + j)[None, :], (mp, rb))
-            pltriton.store(o_ref.at[r2, cols], y.astype(o_ref.dtype), mask=ok2)
-            return
-        # "qkv": head p; rotary pairs (c*rb + j, half + c*rb + j) of its head_dim
+    if epilogue == "none":
+        y = accs[0]
+        cols = jnp.broadcast_to((pid * rb + j)[None, :], (mp, rb))
+        if has_residual:
+            src = jnp.broadcast_to(src_rows[:, None], (mp, rb))
+            y = y + pltriton.load(res_ref.at[src, cols]).astype(jnp.float32)
+        pltriton.store(o_ref.at[r2, cols], y.astype(o_ref.dtype), mask=ok2)
+    elif epilogue == "glu":
+        gate, up = accs
+        y = gate / (1.0 + jnp.exp(-gate)) * up  # silu(gate) * up
+        cols = jnp.broadcast_to((c * rb + j)[None, :], (mp, rb))
+        pltriton.store(o_ref.at[r2, cols], y.astype(o_ref.dtype), mask=ok2)
+    else:  # "qkv": head p; rotary pairs (c*rb + j, half + c*rb + j) of its head_dim
         a, b = accs
-        pos = pltriton.load(pos_ref.at[src_rows])  # [rows]
-        angle = pos.astype(jnp.float32)[:, None] * freq_ref[pl.ds(c * rb, rb)][None, :]
+        pos = pltriton.load(pos_ref.at[src_rows]).astype(jnp.float32)  # [rows]
+        freq = freq_ref[pl.ds(c * rb, rb)]
+        angle = pos[:, None] * freq[None, :]
         cos, sin = jnp.cos(angle), jnp.sin(angle)
         rotate = p < q_heads + kv_heads  # q and k heads; v is stored as it is
         a, b = jnp.where(rotate, a * cos - b * sin, a), jnp.where(rotate, b * cos + a * sin, b)
@@ -173,39 +147,21 @@ def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: st
         d_b = d_a + half
         is_q = p < q_heads
         # q [M, Hq, D]
-        qh = jnp.full((mp, rb), jnp.minimum(p, q_heads - 1), jnp.int32)
+        hq = jnp.minimum(p, q_heads - 1)
+        qh = jnp.full((mp, rb), hq, jnp.int32)
         pltriton.store(q_ref.at[r2, qh, d_a], a.astype(q_ref.dtype), mask=ok2 & is_q)
         pltriton.store(q_ref.at[r2, qh, d_b], b.astype(q_ref.dtype), mask=ok2 & is_q)
         # the cache [B, Hkv, T, D] of k (heads q_heads..) or v (the last kv_heads)
         is_k = (p >= q_heads) & (p < q_heads + kv_heads)
         is_v = p >= q_heads + kv_heads
-        hkv = jnp.clip(jnp.where(is_k, p - q_heads, p - q_heads - kv_heads), 0, kv_heads - 1)
+        hkv = jnp.where(is_k, p - q_heads, p - q_heads - kv_heads)
+        hkv = jnp.clip(hkv, 0, kv_heads - 1)
         bi = r2 // q_len
         hh = jnp.full((mp, rb), hkv, jnp.int32)
-        tt = jnp.broadcast_to(pos[:, None], (mp, rb))
+        tt = jnp.broadcast_to(pltriton.load(pos_ref.at[src_rows])[:, None], (mp, rb))
         for ref, sel in ((kc_ref, is_k), (vc_ref, is_v)):
             pltriton.store(ref.at[bi, hh, tt, d_a], a.astype(ref.dtype), mask=ok2 & sel)
             pltriton.store(ref.at[bi, hh, tt, d_b], b.astype(ref.dtype), mask=ok2 & sel)
-
-    init = (tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(n_acc)),
-            jnp.zeros((mp,), jnp.float32),
-            # every program has a block, so at least k_steps steps
-            tuple(load(min(i, k_steps - 1)) for i in range(ahead)))
-    accs, ss, _ = jax.lax.fori_loop(0, n_steps, step, init)
-    if not persistent:
-        finish(pid, accs, ss)
-
-
-def _rem(a, b):
-    """a % b for a >= 0 (jnp's % on a loop index does not lower to Triton in jax 0.10-0.11)."""
-    return a % b if isinstance(a, int) else jax.lax.rem(a, b)
-
-
-def _sm_count() -> int:
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":  # the interpreter: a few programs keep the block loop exercised
-        return 2
-    return int(getattr(dev, "core_count", 0) or 132)
 
 
 def _block_k(k: int, most: int = 512) -> int | None:
@@ -279,7 +235,6 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
     num_stages = num_stages or TUNED["num_stages"]
     if k % block_k:
         raise ValueError(f"decode_gemv: block_k={block_k} does not divide K={k}")
-    per_sm = TUNED["persistent"] if fma else 0
     half, kv_heads = 0, 0
     if epilogue == "none":
         n_out = w.shape[0]
@@ -310,7 +265,6 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
                      jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                      jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
 
-    n_programs = min(grid, per_sm * _sm_count()) if per_sm else grid
     args = [x, w.reshape(-1, k).astype(x.dtype)]
     if eps is not None:
         args.append(norm_scale)
@@ -324,11 +278,10 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
     kernel = functools.partial(
         _kernel, m=m, k=k, block_k=block_k, eps=eps, epilogue=epilogue,
         has_residual=residual is not None, half=half, q_len=q_len, q_heads=q_heads,
-        kv_heads=kv_heads, rows_pad=rows_pad, rb=rb, fma=fma, n_blocks=grid,
-        n_programs=n_programs)
+        kv_heads=kv_heads, rows_pad=rows_pad, rb=rb, fma=fma)
     return pl.pallas_call(
         kernel,
-        grid=(n_programs,),
+        grid=(grid,),
         in_specs=[pl.no_block_spec] * len(args),
         out_specs=(pl.no_block_spec if epilogue != "qkv" else (pl.no_block_spec,) * 3),
         out_shape=out_shape,
