@@ -1,0 +1,57 @@
+"""The Triton-lowered Pallas kernels lower for the GPU (to Triton IR, then StableHLO) on any
+machine: the CPU tests run the kernels in the interpreter, which never sees the Triton
+lowering rules, so a kernel can pass them and still fail to lower on a GPU (a fori_loop
+index taken modulo with jnp's `%`, for one). Compiling and running stay GPU-only."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxllm.kernels.pallas import flash_triton, gemv_triton, paged_triton
+
+BF16 = jnp.bfloat16
+
+
+def _lowers(fn, *shapes):
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("epilogue,rows", [("none", 1), ("glu", 1), ("qkv", 1), ("none", 6)])
+def test_decode_gemv_lowers(epilogue, rows):
+    k, n, hd = 256, 64, 64
+    kw = dict(interpret=False, epilogue=epilogue)
+    if epilogue == "none":
+        _lowers(functools.partial(gemv_triton.decode_gemv, **kw),
+                ((rows, k), BF16), ((n, k), BF16))
+        return
+    norm = lambda f: lambda x, w, g, *a: f(x, w, *a, norm_scale=g, eps=1e-5)  # noqa: E731
+    if epilogue == "glu":
+        _lowers(norm(functools.partial(gemv_triton.decode_gemv, **kw)),
+                ((rows, k), BF16), ((2, n, k), BF16), ((k,), BF16))
+        return
+
+    def qkv(x, w, g, pos, kc, vc):
+        return gemv_triton.decode_gemv(x, w, norm_scale=g, eps=1e-5, positions=pos,
+                                       inv_freq=jnp.ones(hd // 2), q_heads=4, k_cache=kc,
+                                       v_cache=vc, **kw)
+    cache = ((rows, 2, 32, hd), BF16)
+    _lowers(qkv, ((rows, k), BF16), ((8, hd, k), BF16), ((k,), BF16), ((rows,), jnp.int32),
+            cache, cache)
+
+
+def test_decode_and_paged_attention_lower():
+    _lowers(functools.partial(paged_triton.decode_attention, sm_scale=0.1, interpret=False),
+            ((2, 1, 8, 64), BF16), ((2, 2, 256, 64), BF16), ((2, 2, 256, 64), BF16),
+            ((2,), jnp.int32))
+    _lowers(functools.partial(paged_triton.paged_attention, sm_scale=0.1, interpret=False),
+            ((2, 8, 64), BF16), ((2, 32, 16, 64), BF16), ((2, 32, 16, 64), BF16),
+            ((2, 8), jnp.int32), ((2,), jnp.int32))
+
+
+def test_flash_triton_forward_and_backward_lower():
+    def loss(q, k, v):
+        return flash_triton.flash_attention(q, k, v, causal=True, interpret=False).sum()
+    _lowers(jax.grad(loss, argnums=(0, 1, 2)), ((1, 128, 4, 64), BF16),
+            ((1, 128, 2, 64), BF16), ((1, 128, 2, 64), BF16))
