@@ -69,9 +69,10 @@ class Linear(nnx.Module):
     def _few_rows(self, x):
         """x (B, S, *in) @ W as one [B*S, K] x [K, N] product when W contracts several
         axes (the output projection's heads x head_dim), for calls with at most 16 rows
-        (decoding); None to leave it to the einsum. With a handful of rows XLA lowers that
-        einsum to an elementwise product the size of the weight plus a reduction, twice
-        the weight's bytes through HBM (measured: docs/benchmarks.md).
+        (decoding); None to leave it to the einsum. A profile showed XLA lowering that
+        einsum with one row to an elementwise product the size of the weight plus a
+        reduction (docs/benchmarks.md); the batch-1 step time did not measurably change
+        with this 2-D form.
         """
         n_in = len(self.in_axes)
         if n_in == 1:
