@@ -17,6 +17,7 @@ the datasheet bandwidth) per batch and variant.
 from __future__ import annotations
 
 import argparse
+import json
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,8 @@ from jaxllm.model import build_model
 
 HBM_DATASHEET = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 SWEEPS = {  # launch settings (gemv_triton.TUNED) to time besides the defaults
-    "launch": [dict(prefetch=2), dict(prefetch=0), dict(fma_block_rows=4),
-               dict(fma_block_rows=16, fma_elems=16384), dict(num_stages=1)],
+    "launch": [dict(prefetch=2), dict(prefetch=0), dict(fma_block_rows=1),
+               dict(fma_block_rows=4), dict(fma_elems=16384), dict(num_warps=4)],
     "rows": [dict(fma_rows=0), dict(fma_rows=16)],  # tensor cores / CUDA cores at any rows
 }
 
@@ -76,8 +77,13 @@ def main():
     ap.add_argument("--check", type=int, default=16)
     ap.add_argument("--sweep", choices=sorted(SWEEPS), default=None,
                     help="also time these launch settings, at every batch")
+    ap.add_argument("--tuned", default=None,
+                    help="JSON of gemv_triton.TUNED entries to use as the defaults, e.g. "
+                         "'{\"fma_block_rows\": {\"none\": 4, \"glu\": 2, \"qkv\": 2}}'")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.tuned:
+        gemv_triton.TUNED.update(json.loads(args.tuned))
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
     cfg = load_config(args.config, args.overrides)
     model = build_model(cfg.model, rngs=nnx.Rngs(0))

@@ -23,6 +23,11 @@ of input rows (batch x new tokens) the products run on CUDA cores in float32, ea
 program summing its partial products over K once at the end; with more, on tensor cores
 (the rows padded to the 16 they want inside the program). Rows past the real ones are
 never stored.
+
+On CUDA cores every tile is two-dimensional and stays in the register layout of its load
+(an input row [1, K step], a weight block [outputs, K step]); a product written as a 3-D
+broadcast [rows, outputs, K step] made Triton move each weight tile through shared memory
+to a second layout, which cost a third of the kernel time on the H200.
 """
 from __future__ import annotations
 
@@ -36,29 +41,34 @@ from jax.experimental.pallas import triton as pltriton
 MAX_ROWS = 16  # decode has 1..16 rows (batch x new tokens)
 BLOCK_ROWS = 16  # outputs per program (per half for "glu" and "qkv") must divide by this
 EPILOGUES = ("none", "glu", "qkv")
-# Launch settings. Up to `fma_rows` rows the products run on CUDA cores: a program holds
-# [rows, fma_block_rows, K step] float32 partial products per weight block (at most
-# `fma_elems` of them) and sums over K once at the end, loading `prefetch` steps ahead of
+# Launch settings. Up to `fma_rows` rows the products run on CUDA cores: a program holds,
+# per row, [fma_block_rows, K step] float32 partial products per weight block (at most
+# `fma_elems` in all) and sums over K once at the end, loading `prefetch` steps ahead of
 # its products; more rows use tensor cores (tl.dot, 16 padded rows, 16 outputs per
-# program, K steps of `block_k`). The model (Block._decode_fused) takes these kernels for
-# calls of at most `model_rows` rows and XLA's matmuls above: measured on the H200,
-# XLA is ahead from 2 rows on (docs/benchmarks.md).
-TUNED = {"block_k": 512, "num_warps": 4, "num_stages": 3, "fma_rows": 4,
-         "fma_block_rows": 4, "fma_elems": 8192, "prefetch": 1, "model_rows": 1}
+# program, K steps of `block_k`). fma_block_rows, fma_elems, num_warps and prefetch may be
+# given per epilogue ({"none": .., "glu": .., "qkv": ..}). The model
+# (Block._decode_fused) takes these kernels for calls of at most `model_rows` rows and
+# XLA's matmuls above: measured on the H200, XLA is level at 2 rows and well ahead at 4
+# (docs/benchmarks.md).
+TUNED = {"block_k": 512, "num_warps": {"none": 8, "glu": 4, "qkv": 4}, "num_stages": 3,
+         "fma_rows": 4, "fma_block_rows": 2, "fma_elems": 8192, "prefetch": 1, "model_rows": 1}
 
 
-def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: str,
-            has_residual: bool, half: int, q_len: int, q_heads: int, kv_heads: int,
-            rows_pad: int, rb: int, fma: bool):
-    refs = list(refs)
-    x_ref, w_ref = refs.pop(0), refs.pop(0)
-    g_ref = refs.pop(0) if eps is not None else None
-    res_ref = refs.pop(0) if has_residual else None
+def _kernel(*refs, fma: bool, **kw):
+    pid = pl.program_id(0)
+    return (_main_fma if fma else _main)(*refs, pid=pid, **kw)
+
+
+def _main(*refs, pid, m: int, k: int, block_k: int, eps: float | None, epilogue: str,
+          has_residual: bool, half: int, q_len: int, q_heads: int, kv_heads: int,
+          rows_pad: int, rb: int, **_):
+    """Tensor-core products: the rows padded to `rows_pad` (16) inside the program."""
+    x_ref, w_ref, g_ref, res_ref, outs = _refs(refs, eps, has_residual, epilogue)
     if epilogue == "qkv":
-        pos_ref, freq_ref, _, _, q_ref, kc_ref, vc_ref = refs
+        pos_ref, freq_ref, q_ref, kc_ref, vc_ref = outs
     else:
-        (o_ref,) = refs
-    mp, pid = rows_pad, pl.program_id(0)
+        (o_ref,) = outs
+    mp = rows_pad
     rows = jnp.arange(mp)
     row_ok = rows < m
     src_rows = jnp.minimum(rows, m - 1)  # padding rows repeat the last real one
@@ -70,51 +80,26 @@ def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: st
         return pltriton.load(x_ref.at[r, c])
 
     k_steps = k // block_k
-    # the weight rows this program reads: one block, or the two halves of a pair
-    if epilogue == "none":
-        starts = (pid * rb,)
-    else:
-        per_pair = half // rb
-        p, c = pid // per_pair, pid % per_pair  # pair group (head), block within the half
-        first = p * 2 * half + c * rb
-        starts = (first, first + half)
+    starts, pair = _weight_starts(pid, epilogue, half, rb)
+    if pair is not None:
+        p, c = pair
 
-    def load(i):
-        """Step i's tiles: input rows, norm scale (or None), weight blocks."""
+    def step(i, carry):  # Triton pipelines the loads that feed tl.dot itself (num_stages)
+        accs, ss = carry
         k0 = i * block_k
-        g = g_ref[pl.ds(k0, block_k)] if eps is not None else None
-        return load_x(k0), g, tuple(w_ref[pl.ds(s, rb), pl.ds(k0, block_k)] for s in starts)
-
-    ahead = TUNED["prefetch"] if fma else 0  # steps loaded before their products
-
-    def step(i, carry):
-        accs, ss, queue = carry
-        if ahead:  # issue a later step's loads before this step's products
-            (x, g, ws), queue = queue[0], queue[1:] + (load(jnp.minimum(i + ahead,
-                                                                        k_steps - 1)),)
-        else:  # Triton pipelines the loads that feed tl.dot itself (num_stages)
-            x, g, ws = load(i)
+        x = load_x(k0)
         if eps is not None:  # RMSNorm: products of x * scale; 1 / rms(x) applied at the end
             x32 = x.astype(jnp.float32)
             ss = ss + (x32 * x32).sum(axis=1)
-            x = x32 * g.astype(jnp.float32)[None, :]
-        out = []
-        for acc, w in zip(accs, ws):
-            if fma:  # CUDA-core products, summed over K once at the end
-                out.append(acc + x.astype(jnp.float32)[:, None, :]
-                           * w.astype(jnp.float32)[None, :, :])
-            else:
-                out.append(acc + pltriton.dot(x.astype(x_ref.dtype), w, trans_b=True,
-                                              allow_tf32=not exact))
-        return tuple(out), ss, queue
+            x = x32 * g_ref[0, pl.ds(k0, block_k)].astype(jnp.float32)[None, :]
+        ws = (w_ref[pl.ds(s, rb), pl.ds(k0, block_k)] for s in starts)
+        return tuple(acc + pltriton.dot(x.astype(x_ref.dtype), w, trans_b=True,
+                                        allow_tf32=not exact)
+                     for acc, w in zip(accs, ws)), ss
 
-    acc_shape = (mp, rb, block_k) if fma else (mp, rb)
-    init = (tuple(jnp.zeros(acc_shape, jnp.float32) for _ in starts),
-            jnp.zeros((mp,), jnp.float32),
-            tuple(load(min(i, k_steps - 1)) for i in range(ahead)))
-    accs, ss, _ = jax.lax.fori_loop(0, k_steps, step, init)
-    if fma:
-        accs = tuple(acc.sum(axis=2) for acc in accs)
+    init = (tuple(jnp.zeros((mp, rb), jnp.float32) for _ in starts),
+            jnp.zeros((mp,), jnp.float32))
+    accs, ss = jax.lax.fori_loop(0, k_steps, step, init)
     if eps is not None:
         inv_rms = jax.lax.rsqrt(ss / k + eps)
         accs = tuple(acc * inv_rms[:, None] for acc in accs)
@@ -164,9 +149,123 @@ def _kernel(*refs, m: int, k: int, block_k: int, eps: float | None, epilogue: st
             pltriton.store(ref.at[bi, hh, tt, d_b], b.astype(ref.dtype), mask=ok2 & sel)
 
 
+def _refs(refs, eps, has_residual, epilogue):
+    """(x, w, norm scale or None, residual or None, the epilogue's refs)."""
+    refs = list(refs)
+    x_ref, w_ref = refs.pop(0), refs.pop(0)
+    g_ref = refs.pop(0) if eps is not None else None
+    res_ref = refs.pop(0) if has_residual else None
+    if epilogue == "qkv":
+        pos_ref, freq_ref, _, _, q_ref, kc_ref, vc_ref = refs
+        return x_ref, w_ref, g_ref, res_ref, (pos_ref, freq_ref, q_ref, kc_ref, vc_ref)
+    return x_ref, w_ref, g_ref, res_ref, tuple(refs)
+
+
+def _weight_starts(pid, epilogue: str, half: int, rb: int):
+    """First weight row of each block this program reads (one, or one per half of a pair),
+    and for pairs the (pair group / head, block within the half)."""
+    if epilogue == "none":
+        return (pid * rb,), None
+    per_pair = half // rb
+    p, c = pid // per_pair, pid % per_pair
+    first = p * 2 * half + c * rb
+    return (first, first + half), (p, c)
+
+
+def _main_fma(*refs, pid, m: int, k: int, block_k: int, eps: float | None, epilogue: str,
+              has_residual: bool, half: int, q_len: int, q_heads: int, kv_heads: int,
+              rb: int, **_):
+    """CUDA-core products for a few rows (m static): every tile is 2-D, [1 or rb, block_k]
+    in the layout of its load (so no layout conversion through shared memory), each row r
+    accumulating x[r] * w over K in float32 and summing over K once at the end."""
+    x_ref, w_ref, g_ref, res_ref, outs = _refs(refs, eps, has_residual, epilogue)
+    k_steps = k // block_k
+    starts, pair = _weight_starts(pid, epilogue, half, rb)
+    f32 = jnp.float32
+
+    def load(i):
+        k0 = i * block_k
+        xs = tuple(x_ref[pl.ds(r, 1), pl.ds(k0, block_k)] for r in range(m))
+        g = g_ref[pl.ds(0, 1), pl.ds(k0, block_k)] if eps is not None else None
+        ws = tuple(w_ref[pl.ds(s, rb), pl.ds(k0, block_k)] for s in starts)
+        return xs, g, ws
+
+    def fma(carry, tiles):
+        accs, sqs = carry  # per row: per weight block [rb, block_k]; [1, block_k] squares
+        xs, g, ws = tiles
+        new_accs, new_sqs = [], []
+        for r in range(m):
+            x = xs[r].astype(f32)
+            if eps is not None:  # RMSNorm: x * scale here, 1 / rms(x) at the end
+                new_sqs.append(sqs[r] + x * x)
+                x = x * g.astype(f32)
+            new_accs.append(tuple(a + x * w.astype(f32) for a, w in zip(accs[r], ws)))
+        return tuple(new_accs), tuple(new_sqs)
+
+    carry = (tuple(tuple(jnp.zeros((rb, block_k), f32) for _ in starts) for _ in range(m)),
+             tuple(jnp.zeros((1, block_k), f32) for _ in range(m)) if eps is not None else ())
+    ahead = min(_tuned("prefetch", epilogue), k_steps)  # steps loaded before their products
+    if ahead == 0:
+        carry = jax.lax.fori_loop(0, k_steps, lambda i, c: fma(c, load(i)), carry)
+    else:
+        def step(i, c):
+            carry, queue = c
+            return fma(carry, queue[0]), queue[1:] + (load(i + ahead),)
+
+        carry, queue = jax.lax.fori_loop(0, k_steps - ahead, step,
+                                         (carry, tuple(load(i) for i in range(ahead))))
+        for tiles in queue:  # the last steps: nothing left to load
+            carry = fma(carry, tiles)
+    accs, sqs = carry
+    j = jnp.arange(rb)
+    for r in range(m):
+        vals = [a.sum(axis=1) for a in accs[r]]  # [rb] each
+        if eps is not None:
+            inv_rms = jax.lax.rsqrt(sqs[r].sum() / k + eps)
+            vals = [v * inv_rms for v in vals]
+        if epilogue == "none":
+            (o_ref,) = outs
+            y = vals[0]
+            if has_residual:
+                y = y + res_ref[r, pl.ds(pid * rb, rb)].astype(f32)
+            o_ref[r, pl.ds(pid * rb, rb)] = y.astype(o_ref.dtype)
+            continue
+        p, c = pair
+        if epilogue == "glu":
+            (o_ref,) = outs
+            gate, up = vals
+            o_ref[r, pl.ds(c * rb, rb)] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)
+            continue
+        # "qkv": head p; rotary pairs (c*rb + j, half + c*rb + j) of its head_dim
+        pos_ref, freq_ref, q_ref, kc_ref, vc_ref = outs
+        a, b = vals
+        pos = pos_ref[r]
+        angle = pos.astype(f32) * freq_ref[pl.ds(c * rb, rb)]
+        cos, sin = jnp.cos(angle), jnp.sin(angle)
+        rotate = p < q_heads + kv_heads  # q and k heads; v is stored as it is
+        a, b = jnp.where(rotate, a * cos - b * sin, a), jnp.where(rotate, b * cos + a * sin, b)
+        d_a, d_b = c * rb + j, half + c * rb + j
+        is_q = jnp.broadcast_to(p < q_heads, (rb,))
+        hq = jnp.minimum(p, q_heads - 1)
+        pltriton.store(q_ref.at[r, hq, d_a], a.astype(q_ref.dtype), mask=is_q)
+        pltriton.store(q_ref.at[r, hq, d_b], b.astype(q_ref.dtype), mask=is_q)
+        is_k = (p >= q_heads) & (p < q_heads + kv_heads)
+        hkv = jnp.clip(jnp.where(is_k, p - q_heads, p - q_heads - kv_heads), 0, kv_heads - 1)
+        for ref, sel in ((kc_ref, is_k), (vc_ref, p >= q_heads + kv_heads)):
+            sel = jnp.broadcast_to(sel, (rb,))
+            pltriton.store(ref.at[r // q_len, hkv, pos, d_a], a.astype(ref.dtype), mask=sel)
+            pltriton.store(ref.at[r // q_len, hkv, pos, d_b], b.astype(ref.dtype), mask=sel)
+
+
+def _tuned(key: str, epilogue: str) -> int:
+    """A launch setting, given once or per epilogue ({"none": .., "glu": .., "qkv": ..})."""
+    v = TUNED[key]
+    return v[epilogue] if isinstance(v, dict) else v
+
+
 def _block_k(k: int, most: int = 512) -> int | None:
     """The largest power of two <= `most` dividing K, at least 16."""
-    bk = most
+    bk = 1 << (max(most, 1).bit_length() - 1)
     while bk >= 16 and k % bk:
         bk //= 2
     return bk if bk >= 16 else None
@@ -226,12 +325,12 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
         interpret = jax.default_backend() == "cpu"
     m, k = x.shape
     fma = m <= TUNED["fma_rows"] if fma is None else fma
-    rows_pad = 1 << (m - 1).bit_length() if fma else MAX_ROWS
-    rb = TUNED["fma_block_rows"] if fma else BLOCK_ROWS
+    rows_pad = m if fma else MAX_ROWS
+    rb = _tuned("fma_block_rows", epilogue) if fma else BLOCK_ROWS
     n_acc = 1 if epilogue == "none" else 2
-    most = TUNED["fma_elems"] // (rows_pad * rb * n_acc) if fma else TUNED["block_k"]
+    most = _tuned("fma_elems", epilogue) // (m * rb * n_acc) if fma else TUNED["block_k"]
     block_k = block_k or _block_k(k, max(16, most))
-    num_warps = num_warps or TUNED["num_warps"]
+    num_warps = num_warps or _tuned("num_warps", epilogue)
     num_stages = num_stages or TUNED["num_stages"]
     if k % block_k:
         raise ValueError(f"decode_gemv: block_k={block_k} does not divide K={k}")
@@ -267,7 +366,7 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
 
     args = [x, w.reshape(-1, k).astype(x.dtype)]
     if eps is not None:
-        args.append(norm_scale)
+        args.append(norm_scale.reshape(1, k))
     if residual is not None:
         args.append(residual)
     aliases = {}
@@ -275,6 +374,7 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
         args += [positions.reshape(m).astype(jnp.int32), inv_freq.astype(jnp.float32),
                  k_cache, v_cache]
         aliases = {len(args) - 2: 1, len(args) - 1: 2}
+    n_out = len(out_shape) if isinstance(out_shape, tuple) else 1
     kernel = functools.partial(
         _kernel, m=m, k=k, block_k=block_k, eps=eps, epilogue=epilogue,
         has_residual=residual is not None, half=half, q_len=q_len, q_heads=q_heads,
@@ -283,7 +383,7 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
         kernel,
         grid=(grid,),
         in_specs=[pl.no_block_spec] * len(args),
-        out_specs=(pl.no_block_spec if epilogue != "qkv" else (pl.no_block_spec,) * 3),
+        out_specs=pl.no_block_spec if n_out == 1 else (pl.no_block_spec,) * n_out,
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
