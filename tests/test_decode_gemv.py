@@ -38,7 +38,8 @@ def test_plain_and_residual(m, k, n, dtype, norm, residual, fma):
     _close(got, reference.decode_gemv(x, w, **opts), dtype)
 
 
-@pytest.mark.parametrize("m,dtype,fma", [(1, jnp.bfloat16, None), (2, jnp.float32, False)])
+@pytest.mark.parametrize("m,dtype,fma", [(1, jnp.bfloat16, None), (2, jnp.float32, False),
+                                         (3, jnp.float32, True)])
 def test_glu(m, dtype, fma):
     k, r = 64, 48
     ks = jax.random.split(jax.random.key(m), 3)
@@ -86,3 +87,23 @@ def test_refuses_what_it_cannot_take():
         decode_gemv(x[:2], jnp.ones((32, 64)), norm_scale=jnp.ones(64))
     with pytest.raises(ValueError, match="q_heads"):
         decode_gemv(x[:2], jnp.ones((5, 32, 64)), epilogue="qkv", q_heads=2)
+
+
+@pytest.mark.parametrize("prefetch,rows", [(0, 4), (2, {"none": 1, "glu": 2, "qkv": 2})])
+def test_cuda_core_launch_settings(monkeypatch, prefetch, rows):
+    """Loads issued 0 or 2 K steps ahead of their products (the last steps drain the queue),
+    outputs per program given once or per epilogue: the same numbers."""
+    from jaxllm.kernels.pallas import gemv_triton
+    monkeypatch.setitem(gemv_triton.TUNED, "prefetch", prefetch)
+    monkeypatch.setitem(gemv_triton.TUNED, "fma_block_rows", rows)
+    monkeypatch.setitem(gemv_triton.TUNED, "fma_elems", 256)  # K = 128 in 4 steps of 32
+    ks = jax.random.split(jax.random.key(prefetch), 4)
+    x = jax.random.normal(ks[0], (2, 128), jnp.float32)
+    w = jax.random.normal(ks[1], (32, 128)) / 128 ** 0.5
+    res = jax.random.normal(ks[2], (2, 32))
+    _close(decode_gemv(x, w, residual=res, fma=True),
+           reference.decode_gemv(x, w, residual=res), jnp.float32)
+    wg = jax.random.normal(ks[3], (2, 16, 128)) / 128 ** 0.5
+    g = jnp.ones((128,))
+    _close(decode_gemv(x, wg, epilogue="glu", norm_scale=g, eps=1e-5, fma=True),
+           reference.decode_gemv(x, wg, epilogue="glu", norm_scale=g, eps=1e-5), jnp.float32)
