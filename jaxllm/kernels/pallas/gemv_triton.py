@@ -325,7 +325,6 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
         interpret = jax.default_backend() == "cpu"
     m, k = x.shape
     fma = m <= TUNED["fma_rows"] if fma is None else fma
-    rows_pad = m if fma else MAX_ROWS
     rb = _tuned("fma_block_rows", epilogue) if fma else BLOCK_ROWS
     n_acc = 1 if epilogue == "none" else 2
     most = _tuned("fma_elems", epilogue) // (m * rb * n_acc) if fma else TUNED["block_k"]
@@ -378,7 +377,7 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
     kernel = functools.partial(
         _kernel, m=m, k=k, block_k=block_k, eps=eps, epilogue=epilogue,
         has_residual=residual is not None, half=half, q_len=q_len, q_heads=q_heads,
-        kv_heads=kv_heads, rows_pad=rows_pad, rb=rb, fma=fma)
+        kv_heads=kv_heads, rows_pad=MAX_ROWS, rb=rb, fma=fma)
     return pl.pallas_call(
         kernel,
         grid=(grid,),
