@@ -1,7 +1,7 @@
 """Decode steps with XLA's matmuls against jaxllm's fused decode kernels, same model.
 
     PYTHONPATH=. python benchmarks/decode_matmul.py [--config configs/llama_1b.yaml]
-        [--batches 1,4,16] [--sweep launch|rows]
+        [--batches 1,4,16] [--sweep launch|rows|merge]
 
 The decode form of the model (per-layer weights, q/k/v and gate/up joined) decodes
 --new-tokens greedy tokens after a random prompt of --prompt-len, once with
@@ -34,6 +34,7 @@ SWEEPS = {  # launch settings (gemv_triton.TUNED) to time besides the defaults
     "launch": [dict(prefetch=2), dict(prefetch=0), dict(fma_block_rows=1),
                dict(fma_block_rows=4), dict(fma_elems=16384), dict(num_warps=4)],
     "rows": [dict(fma_rows=0), dict(fma_rows=16)],  # tensor cores / CUDA cores at any rows
+    "merge": [dict(split_counters=False)],  # attention splits merged by XLA after the kernel
 }
 
 

@@ -70,10 +70,12 @@ def test_qkv_rope_and_cache_writes(batch, q_len, hq, hkv, dtype):
     opts = dict(norm_scale=scale, eps=1e-5, epilogue="qkv", positions=positions,
                 inv_freq=inv_freq, q_len=q_len, q_heads=hq)
     want = reference.decode_gemv(x, w, k_cache=k_cache, v_cache=v_cache, **opts)
-    got = decode_gemv(x, w, k_cache=k_cache, v_cache=v_cache, **opts)
+    # with the attention kernel's split counters (zeros) as a fourth output
+    *got, zeros = decode_gemv(x, w, k_cache=k_cache, v_cache=v_cache, zeros=3 * hkv, **opts)
     assert got[0].shape == (m, hq, d)
     for g, wnt in zip(got, want):  # q, then every cache entry: new rows and untouched ones
         _close(g, wnt, dtype)
+    np.testing.assert_array_equal(zeros, np.zeros(3 * hkv, np.int32))
 
 
 def test_refuses_what_it_cannot_take():
@@ -87,6 +89,8 @@ def test_refuses_what_it_cannot_take():
         decode_gemv(x[:2], jnp.ones((32, 64)), norm_scale=jnp.ones(64))
     with pytest.raises(ValueError, match="q_heads"):
         decode_gemv(x[:2], jnp.ones((5, 32, 64)), epilogue="qkv", q_heads=2)
+    with pytest.raises(ValueError, match="zeros go with"):
+        decode_gemv(x[:2], jnp.ones((32, 64)), zeros=4)
 
 
 @pytest.mark.parametrize("prefetch,rows", [(0, 4), (2, {"none": 1, "glu": 2, "qkv": 2})])

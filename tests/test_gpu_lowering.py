@@ -35,7 +35,7 @@ def test_decode_gemv_lowers(epilogue, rows):
     def qkv(x, w, g, pos, kc, vc):
         return gemv_triton.decode_gemv(x, w, norm_scale=g, eps=1e-5, positions=pos,
                                        inv_freq=jnp.ones(hd // 2), q_heads=4, k_cache=kc,
-                                       v_cache=vc, **kw)
+                                       v_cache=vc, zeros=2 * rows, **kw)
     cache = ((rows, 2, 32, hd), BF16)
     _lowers(qkv, ((rows, k), BF16), ((8, hd, k), BF16), ((k,), BF16), ((rows,), jnp.int32),
             cache, cache)
@@ -48,6 +48,12 @@ def test_decode_and_paged_attention_lower():
     _lowers(functools.partial(paged_triton.paged_attention, sm_scale=0.1, interpret=False),
             ((2, 8, 64), BF16), ((2, 32, 16, 64), BF16), ((2, 32, 16, 64), BF16),
             ((2, 8), jnp.int32), ((2,), jnp.int32))
+    # the splits merged inside the kernel: barrier, atomic count, the last split's merge
+    def merged_in_kernel(q, k, v, lengths, counters):
+        return paged_triton.decode_attention(q, k, v, lengths, sm_scale=0.1, num_splits=2,
+                                             counters=counters, interpret=False)
+    _lowers(merged_in_kernel, ((2, 2, 8, 64), BF16), ((2, 2, 256, 64), BF16),
+            ((2, 2, 256, 64), BF16), ((2,), jnp.int32), ((4,), jnp.int32))
 
 
 def test_flash_triton_forward_and_backward_lower():

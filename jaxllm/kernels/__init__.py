@@ -202,13 +202,15 @@ def _decode_auto_order() -> list[str]:
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
-                     impl: str = "auto", **kwargs):
+                     impl: str = "auto", counters=None, **kwargs):
     """New tokens over a contiguous KV cache: decoding (S = 1) and speculative verification.
 
     q [B, S, Hq, D]: row b's S new tokens sit at positions lengths[b] - S .. lengths[b] - 1
     and are already written to the cache; query s sees keys 0 .. lengths[b] - S + s.
     k_cache/v_cache [B, Hkv, T, D] (model.attention.KVCache's per-layer layout);
     lengths int32 [B], S <= lengths[b] <= T. -> [B, S, Hq, D].
+    counters: optional int32 zeros [B * Hkv] scratch; `pallas_triton` then merges a
+    context split over several programs inside its kernel (other impls ignore it).
     """
     if q.ndim != 4 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"decode_attention wants q [B, S, Hq, D] and k/v [B, Hkv, T, D]; got "
@@ -221,6 +223,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = N
         raise ValueError(f"lengths must be [B]={b}; got {lengths.shape}")
     sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     fn = _pick(_DECODE_TABLE, impl, DECODE_IMPLS, _decode_auto_order, (q, k_cache))
+    if counters is not None and fn is _resolve(_DECODE_TABLE, "pallas_triton")[0]:
+        kwargs["counters"] = counters
     return fn(q, k_cache, v_cache, lengths, sm_scale=sm_scale, **kwargs)
 
 

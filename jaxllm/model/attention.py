@@ -74,17 +74,19 @@ class KVCache(NamedTuple):
         return KVCache(self.k[:layer] + (k,) + self.k[layer + 1:],
                        self.v[:layer] + (v,) + self.v[layer + 1:])
 
-    def attend(self, layer, q, positions, window: int | None = None, impl: str = "auto"):
+    def attend(self, layer, q, positions, window: int | None = None, impl: str = "auto",
+               counters=None):
         """Queries q (B, S, Hq, D) at `positions` over the cached keys of layer `layer`.
 
         Without a window, the S tokens of a row sit at consecutive positions (decoding,
-        speculative verification): `kernels.decode_attention` with `impl`.
+        speculative verification): `kernels.decode_attention` with `impl` (and its
+        optional `counters`).
         """
         k, v, q = self.k[layer], self.v[layer], q.astype(self.dtype)
         if window is not None:
             return cached_attention(q, k, v, positions, window)
         from jaxllm.kernels import decode_attention
-        return decode_attention(q, k, v, positions[:, -1] + 1, impl=impl)
+        return decode_attention(q, k, v, positions[:, -1] + 1, impl=impl, counters=counters)
 
 
 class Attention(nnx.Module):

@@ -61,14 +61,19 @@ class Block(nnx.Module):
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)
         head_dim = attn.qkv.kernel.shape[1]
-        q, k_cache, v_cache = gemv_triton.decode_gemv(
+        # the q/k/v kernel also zeroes the counters with which the attention kernel
+        # merges its context splits in place (two fewer kernels than a merge after it)
+        zeros = b * attn.n_kv_heads if gemv_triton.TUNED["split_counters"] else 0
+        q, k_cache, v_cache, *counters = gemv_triton.decode_gemv(
             x2, attn.qkv.kernel[...], norm_scale=self.attn_norm.scale[...],
             eps=self.attn_norm.eps, epilogue="qkv", positions=positions.reshape(b * s),
             inv_freq=rope_frequencies(head_dim, attn.rope_theta, attn.rope_scaling),
-            q_len=s, q_heads=attn.n_heads, k_cache=cache.k[layer], v_cache=cache.v[layer])
+            q_len=s, q_heads=attn.n_heads, k_cache=cache.k[layer], v_cache=cache.v[layer],
+            zeros=zeros)
+        counters = counters[0] if counters else None
         cache = cache.with_layer(layer, k_cache, v_cache)
         o = cache.attend(layer, q.reshape(b, s, attn.n_heads, head_dim), positions,
-                         attn.window, attn.decode_impl)
+                         attn.window, attn.decode_impl, counters=counters)
         x2 = gemv_triton.decode_gemv(o.reshape(b * s, -1), attn.o.kernel[...].reshape(d, -1),
                                      residual=x2)
         h = gemv_triton.decode_gemv(x2, mlp.gate_up.kernel[...], epilogue="glu",

@@ -50,9 +50,12 @@ EPILOGUES = ("none", "glu", "qkv")
 # given per epilogue ({"none": .., "glu": .., "qkv": ..}). The model
 # (Block._decode_fused) takes these kernels for calls of at most `model_rows` rows and
 # XLA's matmuls above: measured on the H200, XLA is level at 2 rows and well ahead at 4
-# (docs/benchmarks.md).
+# (docs/benchmarks.md). `split_counters`: the model's q/k/v kernel also writes the zeroed
+# counters with which the decode-attention kernel after it merges its context splits
+# itself (paged_triton), instead of two XLA kernels doing the merge.
 TUNED = {"block_k": 512, "num_warps": {"none": 8, "glu": 4, "qkv": 4}, "num_stages": 3,
-         "fma_rows": 4, "fma_block_rows": 2, "fma_elems": 8192, "prefetch": 1, "model_rows": 1}
+         "fma_rows": 4, "fma_block_rows": 2, "fma_elems": 8192, "prefetch": 1, "model_rows": 1,
+         "split_counters": True}
 
 
 def _kernel(*refs, fma: bool, **kw):
@@ -66,7 +69,9 @@ def _main(*refs, pid, m: int, k: int, block_k: int, eps: float | None, epilogue:
     """Tensor-core products: the rows padded to `rows_pad` (16) inside the program."""
     x_ref, w_ref, g_ref, res_ref, outs = _refs(refs, eps, has_residual, epilogue)
     if epilogue == "qkv":
-        pos_ref, freq_ref, q_ref, kc_ref, vc_ref = outs
+        pos_ref, freq_ref, q_ref, kc_ref, vc_ref, *zeros = outs
+        if zeros:
+            _store_zeros(zeros[0], pid)
     else:
         (o_ref,) = outs
     mp = rows_pad
@@ -144,10 +149,20 @@ def _refs(refs, eps, has_residual, epilogue):
     x_ref, w_ref = refs.pop(0), refs.pop(0)
     g_ref = refs.pop(0) if eps is not None else None
     res_ref = refs.pop(0) if has_residual else None
-    if epilogue == "qkv":
-        pos_ref, freq_ref, _, _, q_ref, kc_ref, vc_ref = refs
-        return x_ref, w_ref, g_ref, res_ref, (pos_ref, freq_ref, q_ref, kc_ref, vc_ref)
+    if epilogue == "qkv":  # inputs: positions, inv_freq, caches; outputs: q, caches[, zeros]
+        pos_ref, freq_ref, _, _, q_ref, kc_ref, vc_ref, *zeros = refs
+        return x_ref, w_ref, g_ref, res_ref, (pos_ref, freq_ref, q_ref, kc_ref, vc_ref, *zeros)
     return x_ref, w_ref, g_ref, res_ref, tuple(refs)
+
+
+def _store_zeros(z_ref, pid):
+    """Program 0 fills the int32 counters output with zeros (see decode_gemv's `zeros`)."""
+    n = z_ref.shape[0]
+    i = jnp.arange(1 << (n - 1).bit_length())
+
+    @pl.when(pid == 0)
+    def _():
+        pltriton.store(z_ref.at[i], jnp.zeros(i.shape, jnp.int32), mask=i < n)
 
 
 def _weight_starts(pid, epilogue: str, half: int, rb: int):
@@ -242,7 +257,9 @@ def _main_fma(*refs, pid, m: int, k: int, block_k: int, eps: float | None, epilo
             o_ref[r, pl.ds(c * rb, rb)] = _swiglu(*vals).astype(o_ref.dtype)
             continue
         # "qkv": head p; rotary pairs (c*rb + j, half + c*rb + j) of its head_dim
-        pos_ref, freq_ref, q_ref, kc_ref, vc_ref = outs
+        pos_ref, freq_ref, q_ref, kc_ref, vc_ref, *zeros = outs
+        if zeros and r == 0:
+            _store_zeros(zeros[0], pid)
         pos = pos_ref[r]
         angle = pos.astype(f32) * freq_ref[pl.ds(c * rb, rb)]
         a, b, is_q, hq, is_k, is_v, hkv = _qkv_head(*vals, angle, p, q_heads, kv_heads)
@@ -287,12 +304,14 @@ def unsupported_reason(x, w, epilogue: str = "none") -> str | None:
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "eps", "q_len", "q_heads", "fma",
+@functools.partial(jax.jit, static_argnames=("epilogue", "eps", "q_len", "q_heads", "zeros",
+                                             "fma",
                                              "block_k", "num_warps", "num_stages",
                                              "interpret"))
 def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=None,
                 epilogue: str = "none", positions=None, inv_freq=None, q_len: int = 1,
-                q_heads: int = 0, k_cache=None, v_cache=None, fma: bool | None = None,
+                q_heads: int = 0, k_cache=None, v_cache=None, zeros: int = 0,
+                fma: bool | None = None,
                 block_k: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
                 interpret: bool | None = None):
@@ -307,7 +326,10 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
               (half-split) at `positions` [M] with `inv_freq` [D/2] on the q and k heads;
               row m = b * q_len + s is token s of cache row b, whose k and v are written
               into k_cache / v_cache [B, Hkv, T, D] at position positions[m] (in place
-              inside a jitted step whose caches are not used again, as in a decode loop).
+              inside a jitted step whose caches are not used again, as in a decode loop);
+              with `zeros` = n > 0 also an int32 [n] of zeros (written by one program:
+              the split counters of the decode-attention kernel that follows, without a
+              fill kernel of their own).
     fma (CUDA-core products rather than tensor cores), block_k, num_warps, num_stages:
     default from `TUNED`.
     """
@@ -318,6 +340,8 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
         raise ValueError(f"decode_gemv: {why}")
     if (norm_scale is None) != (eps is None):
         raise ValueError("decode_gemv: the norm prologue needs both norm_scale and eps")
+    if zeros and epilogue != "qkv":
+        raise ValueError(f"decode_gemv: zeros go with epilogue 'qkv', not {epilogue!r}")
     if residual is not None and epilogue != "none":
         raise ValueError(f"decode_gemv: a residual goes with epilogue 'none', not {epilogue!r}")
     if interpret is None:
@@ -361,6 +385,8 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
         out_shape = (jax.ShapeDtypeStruct((m, q_heads, head_dim), x.dtype),
                      jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                      jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+        if zeros:
+            out_shape += (jax.ShapeDtypeStruct((zeros,), jnp.int32),)
 
     args = [x, w.reshape(-1, k).astype(x.dtype)]
     if eps is not None:

@@ -14,8 +14,14 @@ speculative verify share the program with their group (S x G query rows, each ma
 its own position).
 
 Long contexts are split across programs (flash-decoding): each split writes its
-normalised partial output and log-sum-exp, and a small jnp epilogue merges them. With a
-single split the kernel writes the final output directly.
+normalised partial output and log-sum-exp, and these are merged by log-sum-exp. The merge
+is either a small jnp epilogue (two more XLA kernels) or, given a zeroed int32 counter per
+(sequence, kv head), done inside the kernel by the last split to finish: each split
+stores its partials, counts itself in with an atomic add (acquire-release, after a
+barrier of its program, so the whole program's stores are ordered before it), and the
+split that sees every other one counted reads the partials back from L2, writes the final
+output and resets the counter to zero for the next call. With a single split the kernel
+writes the final output directly.
 
 `lengths[b] == 0` gives a zero output row; lengths past the block table's capacity read
 only the table's pages (as the reference does).
@@ -36,12 +42,19 @@ _NEG = -1e30  # finite "minus infinity" for masked scores and empty running maxi
 _MIN_ROWS = 16  # tl.dot wants at least 16 rows
 
 
-def _decode_kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref,
+def _decode_kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
                    group: int, kv_heads: int,
                    page_size: int, pages_per_step: int, pages_per_split: int, n_table: int,
                    scale_log2: float, allow_tf32: bool, q_len: int = 1,
-                   contiguous: bool = False):
+                   contiguous: bool = False, merge: str = "none", num_splits: int = 1,
+                   interpret: bool = False):
+    """merge: "none" (one split: refs = o block), "jnp" (refs = partial o, lse blocks;
+    merged after the kernel) or "kernel" (refs = counters in, final o, partial o, lse,
+    counters out (the same buffer): whole arrays, merged by the last split to finish, see
+    the module docstring)."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if merge != "kernel":
+        o_ref, *lse_ref = refs
     # k/v are [layers * Hkv, tokens, D] (paged) or [B * Hkv, tokens, D] (contiguous)
     kv_row = (b if contiguous else layer_ref[0]) * kv_heads + h
     rows, head_dim = q_ref.shape
@@ -97,11 +110,52 @@ def _decode_kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_re
 
     nonempty = l > 0
     out = acc / jnp.where(nonempty, l, 1.0)[:, None]
-    pltriton.store(o_ref, out.astype(o_ref.dtype),
-                   mask=jnp.broadcast_to(row_ok[:, None], (rows, head_dim)))
-    if lse_ref:
-        lse = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * _LN2, -jnp.inf)
-        pltriton.store(lse_ref[0], lse, mask=row_ok)
+    lse = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * _LN2, -jnp.inf)
+    ok2 = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
+    if merge != "kernel":
+        pltriton.store(o_ref, out.astype(o_ref.dtype), mask=ok2)
+        if lse_ref:
+            pltriton.store(lse_ref[0], lse, mask=row_ok)
+        return
+    _, out_ref, o_part_ref, lse_part_ref, cnt_ref = refs
+    # padding rows are masked at their own (out-of-range) indices, never clamped onto a
+    # real row
+    r = jnp.arange(rows)
+    r2 = jnp.broadcast_to(r[:, None], (rows, head_dim))
+    d2 = jnp.broadcast_to(jnp.arange(head_dim)[None, :], (rows, head_dim))
+    pltriton.store(o_part_ref.at[b, h, split, r2, d2], out, mask=ok2)
+    pltriton.store(lse_part_ref.at[b, h, split, r], lse, mask=row_ok)
+    if not interpret:  # all of the program's partial stores come before its count
+        pltriton.debug_barrier()
+    counted = pltriton.atomic_add(cnt_ref, (b * kv_heads + h,), jnp.ones((), jnp.int32))
+
+    @pl.when(counted == num_splits - 1)
+    def _():  # the last split to finish: merge every split's partials
+        _merge_splits(out_ref, o_part_ref, lse_part_ref, cnt_ref, b, h, kv_heads,
+                      group * q_len, head_dim, num_splits)
+
+
+def _merge_splits(out_ref, o_part_ref, lse_part_ref, cnt_ref, b, h, kv_heads: int,
+                  n_rows: int, head_dim: int, num_splits: int):
+    """out[b, h] = the log-sum-exp merge of the partials [b, h, :] (as merge_partials), as
+    one [splits, rows x D] tile (other programs' stores, visible after the acquiring
+    count); then the counter of (b, h) back to zero."""
+    sp = 1 << (num_splits - 1).bit_length()
+    width = (1 << (n_rows - 1).bit_length()) * head_dim
+    s_idx = jnp.broadcast_to(jnp.arange(sp)[:, None], (sp, width))
+    col = jnp.broadcast_to(jnp.arange(width)[None, :], (sp, width))
+    r, d = col // head_dim, col % head_dim
+    ok = (s_idx < num_splits) & (r < n_rows)
+    lse = pltriton.load(lse_part_ref.at[b, h, s_idx, r], mask=ok, other=-jnp.inf)
+    o = pltriton.load(o_part_ref.at[b, h, s_idx, r, d], mask=ok, other=0.0)
+    mx = lse.max(axis=0)
+    mx = jnp.where(mx > -jnp.inf, mx, 0.0)
+    w = jnp.exp(lse - mx[None, :])  # 0 for empty splits
+    den = w.sum(axis=0)
+    out = (w * o).sum(axis=0) / jnp.where(den > 0, den, 1.0)
+    r1, d1 = jnp.arange(width) // head_dim, jnp.arange(width) % head_dim
+    pltriton.store(out_ref.at[b, h, r1, d1], out.astype(out_ref.dtype), mask=r1 < n_rows)
+    cnt_ref[b * kv_heads + h] = jnp.zeros((), jnp.int32)
 
 
 def unsupported_reason(q, *_) -> str | None:
@@ -140,8 +194,10 @@ def merge_partials(o_parts, lse_parts):
 
 def _launch(qg, k_flat, v_flat, layer, lengths, tables, *, kv_heads: int, group: int,
             q_len: int, page_size: int, n_table: int, contiguous: bool, sm_scale: float,
-            block_k, num_splits, num_warps, num_stages, interpret):
-    """The kernel over qg [B, Hkv, q_len * group, D] -> same shape, in qg's dtype."""
+            block_k, num_splits, num_warps, num_stages, interpret, counters=None):
+    """The kernel over qg [B, Hkv, q_len * group, D] -> same shape, in qg's dtype.
+    counters: int32 zeros [B * Hkv] to merge the splits inside the kernel (returned to
+    zero there), or None for the jnp merge."""
     batch, _, n_rows, head_dim = qg.shape
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -165,10 +221,15 @@ def _launch(qg, k_flat, v_flat, layer, lengths, tables, *, kv_heads: int, group:
     num_warps = 4 if num_warps is None else num_warps
     num_stages = 3 if num_stages is None else num_stages
 
+    merge = "none" if num_splits == 1 else "jnp" if counters is None else "kernel"
+    if merge == "kernel" and counters.shape != (batch * kv_heads,):
+        raise ValueError(f"counters must be int32 zeros [B * Hkv] = [{batch * kv_heads}]; got "
+                         f"{counters.shape}")
     kernel = functools.partial(
         _decode_kernel, group=group, kv_heads=kv_heads, page_size=page_size,
         pages_per_step=pages_per_step, pages_per_split=pages_per_split, n_table=n_table,
-        scale_log2=sm_scale * _LOG2E, q_len=q_len, contiguous=contiguous,
+        scale_log2=sm_scale * _LOG2E, q_len=q_len, contiguous=contiguous, merge=merge,
+        num_splits=num_splits, interpret=interpret,
         allow_tf32=qg.dtype != jnp.float32)  # float32 inputs get float32 products
     in_specs = [
         pl.no_block_spec,  # layer: a scalar
@@ -178,13 +239,22 @@ def _launch(qg, k_flat, v_flat, layer, lengths, tables, *, kv_heads: int, group:
         pl.no_block_spec,  # k: gathered by page
         pl.no_block_spec,  # v
     ]
-    if num_splits == 1:
+    args = [layer, lengths.astype(jnp.int32), tables.astype(jnp.int32), qg, k_flat, v_flat]
+    aliases = {}
+    parts = (jax.ShapeDtypeStruct((batch, kv_heads, num_splits, n_rows, head_dim), jnp.float32),
+             jax.ShapeDtypeStruct((batch, kv_heads, num_splits, n_rows), jnp.float32))
+    if merge == "none":
         out_shape = jax.ShapeDtypeStruct(qg.shape, qg.dtype)
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
+    elif merge == "kernel":  # every split may read every split's partials: whole refs
+        in_specs.append(pl.no_block_spec)
+        args.append(counters.astype(jnp.int32))
+        aliases = {len(args) - 1: 3}
+        out_shape = (jax.ShapeDtypeStruct(qg.shape, qg.dtype), *parts,
+                     jax.ShapeDtypeStruct(counters.shape, jnp.int32))
+        out_specs = (pl.no_block_spec,) * 4
     else:
-        out_shape = (
-            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, n_rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, n_rows), jnp.float32))
+        out_shape = parts
         out_specs = (
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)))
@@ -195,11 +265,15 @@ def _launch(qg, k_flat, v_flat, layer, lengths, tables, *, kv_heads: int, group:
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"{kind}_decode_p{page_size}_bk{block_k}_s{num_splits}_q{q_len}",
-    )(layer, lengths.astype(jnp.int32), tables.astype(jnp.int32), qg, k_flat, v_flat)
-    if num_splits > 1:
+        name=f"{kind}_decode_p{page_size}_bk{block_k}_s{num_splits}_q{q_len}"
+             f"{'_km' if merge == 'kernel' else ''}",
+    )(*args)
+    if merge == "kernel":
+        return out[0]
+    if merge == "jnp":
         out = merge_partials(*out).astype(qg.dtype)
     return out
 
@@ -209,7 +283,7 @@ def _launch(qg, k_flat, v_flat, layer, lengths, tables, *, kv_heads: int, group:
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: float,
                     layer=None, block_k: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None,
-                    interpret: bool | None = None):
+                    interpret: bool | None = None, counters=None):
     """q [B, Hq, D]; k/v pages [Hkv, P, page, D]; block_tables [B, n]; lengths [B] -> [B, Hq, D].
 
     k/v pages may also be a whole layer stack [L, Hkv, P, page, D] with `layer` in [0, L)
@@ -217,6 +291,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     reads that layer in place, so no per-layer slice of the pool is ever copied.
     block_k: tokens per inner step (a multiple of the page size, default ~128);
     num_splits: programs per (sequence, kv head) along the context (default: fill the GPU).
+    counters: int32 zeros [B * Hkv] (see `decode_attention`).
     """
     if k_pages.ndim == 5:
         if layer is None:
@@ -241,7 +316,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
         layer, lengths, block_tables, kv_heads=kv_heads, group=group, q_len=1,
         page_size=page_size, n_table=block_tables.shape[1], contiguous=False,
         sm_scale=sm_scale, block_k=block_k, num_splits=num_splits, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret)
+        num_stages=num_stages, interpret=interpret, counters=counters)
     return out.reshape(batch, hq, head_dim)
 
 
@@ -250,7 +325,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
 def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float,
                      block_k: int | None = None, num_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     interpret: bool | None = None):
+                     interpret: bool | None = None, counters=None):
     """A few new queries per row over a contiguous cache (decode, speculative verify).
 
     q [B, S, Hq, D]: the S new tokens of row b sit at positions lengths[b] - S ..
@@ -258,6 +333,9 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float,
     k/v cache [B, Hkv, T, D] (the layout of model.attention.KVCache). -> [B, S, Hq, D].
     The same kernel as `paged_attention`, each row's blocks being its own consecutive
     tokens; the S x group queries of a kv head share every K/V read.
+    counters: int32 zeros [B * Hkv], e.g. written by the kernel before (see
+    `gemv_triton.decode_gemv`'s `zeros`): with them a split context is merged inside the
+    kernel, not by two more XLA kernels after it; the kernel leaves them zero again.
     """
     batch, q_len, hq, head_dim = q.shape
     _, kv_heads, max_len, _ = k_cache.shape
@@ -274,6 +352,6 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float,
         kv_heads=kv_heads, group=group, q_len=q_len, page_size=block_k,
         n_table=pl.cdiv(max_len, block_k), contiguous=True, sm_scale=sm_scale,
         block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        interpret=interpret)
+        interpret=interpret, counters=counters)
     return (out.reshape(batch, kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
             .reshape(batch, q_len, hq, head_dim))
