@@ -1,7 +1,7 @@
 """Where a decode step's time goes: GPU kernels per step, their time, and the idle gaps.
 
     PYTHONPATH=. python benchmarks/decode_profile.py [--config configs/llama_1b.yaml]
-        [--batch 1] [--prompt-len 1024] [--chunk 32] [--top 25]
+        [--batch 1] [--prompt-len 1024] [--chunk 32] [--top 25] [--tuned JSON]
 
 Builds the model from the config (random weights: speed does not depend on them), prefills
 a random prompt, compiles `decode.decode_chunk`, then traces one chunk of `--chunk` decode
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import json
 import os
 import re
 import tempfile
@@ -67,8 +68,14 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--stacked", action="store_true", help="keep the scanned layer stack")
     ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up separate")
+    ap.add_argument("--tuned", default=None,
+                    help='launch settings of the fused decode kernels as JSON, e.g. '
+                         '\'{"attn_o": false}\' (see decode_matmul.apply_tuned)')
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    if args.tuned:
+        from benchmarks.decode_matmul import apply_tuned
+        apply_tuned(json.loads(args.tuned))
     cfg = load_config(args.config, args.overrides)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; batch {args.batch}, "
           f"prompt {args.prompt_len}, chunk {args.chunk}, "
