@@ -1,7 +1,7 @@
 """Decode steps with XLA's matmuls against jaxllm's fused decode kernels, same model.
 
     PYTHONPATH=. python benchmarks/decode_matmul.py [--config configs/llama_1b.yaml]
-        [--batches 1,4,16] [--sweep launch|rows|merge|attn_o]
+        [--batches 1,4,16] [--sweep launch|rows|merge]
 
 The decode form of the model (per-layer weights, q/k/v and gate/up joined) decodes
 --new-tokens greedy tokens after a random prompt of --prompt-len, once with
@@ -10,8 +10,7 @@ The decode form of the model (per-layer weights, q/k/v and gate/up joined) decod
 residual adds inside the four weight reads of each layer). Printed per batch: whether
 both give the same first --check greedy tokens (bf16: near-ties may differ) and the
 largest logit difference of one decode step against the logits' spread.
---sweep also times other launch settings of the kernels (gemv_triton.TUNED, and
-decode_attn_o.TUNED for keys "attn_o.<key>"). Printed
+--sweep also times other launch settings of the kernels (gemv_triton.TUNED). Printed
 last: TPOT, tokens/s and % of the HBM roofline (weights + live K/V read once per step at
 the datasheet bandwidth) per batch and variant.
 """
@@ -27,7 +26,7 @@ from flax import nnx
 
 from jaxllm.config import load_config
 from jaxllm.inference.decode import generate_ids, inference_params
-from jaxllm.kernels.pallas import decode_attn_o, gemv_triton
+from jaxllm.kernels.pallas import gemv_triton
 from jaxllm.model import build_model
 
 HBM_DATASHEET = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -35,26 +34,19 @@ SWEEPS = {  # launch settings (gemv_triton.TUNED) to time besides the defaults
     "launch": [dict(prefetch=2), dict(prefetch=0), dict(fma_block_rows=1),
                dict(fma_block_rows=4), dict(fma_elems=16384), dict(num_warps=4)],
     "rows": [dict(fma_rows=0), dict(fma_rows=16)],  # tensor cores / CUDA cores at any rows
-    # attention and output projection as two kernels (splits merged in the attention
-    # kernel, or by XLA after it)
-    "merge": [dict(attn_o=False), dict(attn_o=False, split_counters=False)],
-    # the joint attention + output projection kernel (decode_attn_o.TUNED)
-    "attn_o": [{"attn_o.num_warps": 4}, {"attn_o.proj_elems": 8192}, {"attn_o.splits": 9},
-               {"attn_o.block_t": 64}],
+    "merge": [dict(split_counters=False)],  # attention splits merged by XLA after the kernel
 }
 
 
 def apply_tuned(opts: dict):
-    """Set launch settings: keys of gemv_triton.TUNED, or "attn_o.<key>" of
-    decode_attn_o.TUNED. Returns a function that restores the previous ones."""
-    tables = {"": gemv_triton.TUNED, "attn_o.": decode_attn_o.TUNED}
-    saved = {p: dict(t) for p, t in tables.items()}
-    for key, val in opts.items():
-        prefix = "attn_o." if key.startswith("attn_o.") else ""
-        if key[len(prefix):] not in tables[prefix]:
-            raise SystemExit(f"unknown launch setting {key!r}")
-        tables[prefix][key[len(prefix):]] = val
-    return lambda: [tables[p].update(saved[p]) for p in tables]
+    """Set launch settings (keys of gemv_triton.TUNED); returns a function that restores
+    the previous ones."""
+    unknown = set(opts) - set(gemv_triton.TUNED)
+    if unknown:
+        raise SystemExit(f"unknown launch settings {sorted(unknown)}")
+    saved = dict(gemv_triton.TUNED)
+    gemv_triton.TUNED.update(opts)
+    return lambda: gemv_triton.TUNED.update(saved)
 
 
 def step_logits(graphdef, params, cache, token, pos):

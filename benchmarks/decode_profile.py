@@ -70,7 +70,7 @@ def main(argv=None):
     ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up separate")
     ap.add_argument("--tuned", default=None,
                     help='launch settings of the fused decode kernels as JSON, e.g. '
-                         '\'{"attn_o": false}\' (see decode_matmul.apply_tuned)')
+                         '\'{"split_counters": false}\' (gemv_triton.TUNED)')
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     if args.tuned:

@@ -37,32 +37,3 @@ def test_decode_attention_matches_cached_attention(q_len, hkv, d, max_len, num_s
     k_bad = k.at[0, :, q_len:].set(jnp.nan)
     got_bad = decode_attention(q, k_bad, v, lengths, **kw)
     np.testing.assert_allclose(got_bad[0], want[0], atol=2e-5, rtol=2e-5)
-
-
-@pytest.mark.parametrize("rows,hq,hkv,d,max_len,splits,lengths", [
-    (1, 4, 2, 32, 300, 3, [300]),    # GQA 2, the whole cache, splits of several blocks
-    (2, 4, 4, 16, 100, 2, [1, 77]),  # MHA, two rows: one key only, and a ragged length
-    (1, 8, 1, 16, 40, None, [33]),   # MQA, the default split count
-])
-def test_attention_o_proj_matches_attention_then_matmul(rows, hq, hkv, d, max_len, splits,
-                                                        lengths):
-    from jaxllm.kernels.pallas.decode_attn_o import attention_o_proj
-    n = 48
-    ks = jax.random.split(jax.random.key(rows * 10 + hkv), 5)
-    q = jax.random.normal(ks[0], (rows, hq, d), jnp.float32)
-    k = jax.random.normal(ks[1], (rows, hkv, max_len, d), jnp.float32)
-    v = jax.random.normal(ks[2], (rows, hkv, max_len, d), jnp.float32)
-    w = jax.random.normal(ks[3], (n, hq * d), jnp.float32) / (hq * d) ** 0.5
-    res = jax.random.normal(ks[4], (rows, n), jnp.float32)
-    lengths = jnp.array(lengths, jnp.int32)
-    with jax.default_matmul_precision("highest"):
-        att = cached_attention(q[:, None], k, v, (lengths - 1)[:, None])[:, 0]
-        want = res + att.reshape(rows, -1) @ w.T
-    counters = jnp.zeros((rows * hkv + 1,), jnp.int32)
-    k_bad = k.at[0, :, lengths[0]:].set(jnp.nan)  # keys past the length are never read
-    got = attention_o_proj(q, k_bad, v, lengths, w, res, counters, splits=splits, block_t=16)
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
-    with pytest.raises(ValueError, match="counters"):
-        attention_o_proj(q, k, v, lengths, w, res, counters[1:])
-    with pytest.raises(ValueError, match="contracts"):
-        attention_o_proj(q, k, v, lengths, w[:, 1:], res, counters)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxllm.kernels.pallas import decode_attn_o, flash_triton, gemv_triton, paged_triton
+from jaxllm.kernels.pallas import flash_triton, gemv_triton, paged_triton
 
 BF16 = jnp.bfloat16
 
@@ -54,13 +54,6 @@ def test_decode_and_paged_attention_lower():
                                              counters=counters, interpret=False)
     _lowers(merged_in_kernel, ((2, 2, 8, 64), BF16), ((2, 2, 256, 64), BF16),
             ((2, 2, 256, 64), BF16), ((2,), jnp.int32), ((4,), jnp.int32))
-
-    # attention and the output projection in one grid (waits on a count of merged heads)
-    def attn_o(q, k, v, lengths, w, res, counters):
-        return decode_attn_o.attention_o_proj(q, k, v, lengths, w, res, counters,
-                                              interpret=False)
-    _lowers(attn_o, ((1, 8, 64), BF16), ((1, 2, 256, 64), BF16), ((1, 2, 256, 64), BF16),
-            ((1,), jnp.int32), ((128, 512), BF16), ((1, 128), BF16), ((3,), jnp.int32))
 
 
 def test_flash_triton_forward_and_backward_lower():

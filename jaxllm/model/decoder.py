@@ -51,42 +51,31 @@ class Block(nnx.Module):
 
     def _decode_fused(self, x, positions, cache: KVCache, layer: int):
         """The block for a few new tokens (at most gemv_triton.TUNED["model_rows"] rows:
-        one-token steps at batch 1 by default) in four kernels: norm + q/k/v + RoPE +
-        cache write; attention over the cache + output projection + residual
-        (kernels/pallas/decode_attn_o.py); norm + gate/up + SwiGLU; down projection +
-        residual (kernels/pallas/gemv_triton.py). With TUNED["attn_o"] off, attention
-        (its context splits merged in place with TUNED["split_counters"]) and the output
-        projection are two kernels. The same numbers as __call__, to rounding."""
-        from jaxllm.kernels.pallas import decode_attn_o, gemv_triton
+        one-token steps at batch 1 by default) in five kernels: norm + q/k/v + RoPE +
+        cache write, attention over the cache, output projection + residual, norm +
+        gate/up + SwiGLU, down projection + residual (kernels/pallas/gemv_triton.py). The
+        same numbers as __call__, to rounding."""
+        from jaxllm.kernels.pallas import gemv_triton
 
         attn, mlp = self.attn, self.mlp
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)
         head_dim = attn.qkv.kernel.shape[1]
-        w_o = attn.o.kernel[...].reshape(d, -1)
-        q_shape = (b * s, attn.n_heads, head_dim)
-        joint = (gemv_triton.TUNED["attn_o"] and s == 1 and attn.window is None
-                 and attn.decode_impl in ("auto", "pallas_triton")
-                 and decode_attn_o.unsupported_reason(jax.ShapeDtypeStruct(q_shape, x.dtype),
-                                                      None, w_o) is None)
-        # the q/k/v kernel also zeroes the counters with which the attention kernel counts
-        # its finished context splits (and, joint, its finished heads)
-        zeros = b * attn.n_kv_heads if joint or gemv_triton.TUNED["split_counters"] else 0
+        # the q/k/v kernel also zeroes the counters with which the attention kernel
+        # merges its context splits in place (two fewer kernels than a merge after it)
+        zeros = b * attn.n_kv_heads if gemv_triton.TUNED["split_counters"] else 0
         q, k_cache, v_cache, *counters = gemv_triton.decode_gemv(
             x2, attn.qkv.kernel[...], norm_scale=self.attn_norm.scale[...],
             eps=self.attn_norm.eps, epilogue="qkv", positions=positions.reshape(b * s),
             inv_freq=rope_frequencies(head_dim, attn.rope_theta, attn.rope_scaling),
             q_len=s, q_heads=attn.n_heads, k_cache=cache.k[layer], v_cache=cache.v[layer],
-            zeros=zeros + joint)
+            zeros=zeros)
         counters = counters[0] if counters else None
         cache = cache.with_layer(layer, k_cache, v_cache)
-        if joint:
-            x2 = decode_attn_o.attention_o_proj(q, k_cache, v_cache, positions[:, -1] + 1,
-                                                w_o, x2, counters)
-        else:
-            o = cache.attend(layer, q.reshape(b, s, attn.n_heads, head_dim), positions,
-                             attn.window, attn.decode_impl, counters=counters)
-            x2 = gemv_triton.decode_gemv(o.reshape(b * s, -1), w_o, residual=x2)
+        o = cache.attend(layer, q.reshape(b, s, attn.n_heads, head_dim), positions,
+                         attn.window, attn.decode_impl, counters=counters)
+        x2 = gemv_triton.decode_gemv(o.reshape(b * s, -1), attn.o.kernel[...].reshape(d, -1),
+                                     residual=x2)
         h = gemv_triton.decode_gemv(x2, mlp.gate_up.kernel[...], epilogue="glu",
                                     norm_scale=self.mlp_norm.scale[...], eps=self.mlp_norm.eps)
         x2 = gemv_triton.decode_gemv(h, mlp.down.kernel[...], residual=x2)

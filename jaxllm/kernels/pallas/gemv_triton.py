@@ -50,14 +50,12 @@ EPILOGUES = ("none", "glu", "qkv")
 # given per epilogue ({"none": .., "glu": .., "qkv": ..}). The model
 # (Block._decode_fused) takes these kernels for calls of at most `model_rows` rows and
 # XLA's matmuls above: measured on the H200, XLA is level at 2 rows and well ahead at 4
-# (docs/benchmarks.md). `attn_o`: the model runs attention and the output projection of
-# a one-token step as one kernel (decode_attn_o.py); otherwise as two, and with
-# `split_counters` the attention kernel merges its context splits itself (paged_triton)
-# instead of two XLA kernels after it. Either way the model's q/k/v kernel writes the
-# zeroed counters they need.
+# (docs/benchmarks.md). `split_counters`: the model's q/k/v kernel also writes the zeroed
+# counters with which the decode-attention kernel after it merges its context splits
+# itself (paged_triton), instead of two XLA kernels doing the merge.
 TUNED = {"block_k": 512, "num_warps": {"none": 8, "glu": 4, "qkv": 4}, "num_stages": 3,
          "fma_rows": 4, "fma_block_rows": 2, "fma_elems": 8192, "prefetch": 1, "model_rows": 1,
-         "split_counters": True, "attn_o": True}
+         "split_counters": True}
 
 
 def _kernel(*refs, fma: bool, **kw):
