@@ -165,6 +165,9 @@ def check_correctness():
         for cfg in ({}, {"num_splits": 1}) if page == 16 else ({"num_splits": 5, "block_k": 256},):
             check(f"ours page={page} {cfg}", 2e-2,
                   lambda: paged_triton.paged_attention(*args, sm_scale=SCALE, **cfg), want)
+        if page == 16:
+            check("ours page=16 splits merged by XLA", 2e-2,
+                  lambda: ours(merge="xla", num_splits=6)(*args), want)
     args32 = case(8, [300, 0, 77], hq=4, hkv=4, d=64, dtype=jnp.float32)
     check("ours float32 MHA d=64", 1e-4,
           lambda: paged_triton.paged_attention(*args32, sm_scale=0.2),
@@ -266,7 +269,9 @@ def main():
                               configs=[dict(num_splits=s) for s in (1, 2)])
     rows += measure_shape(32, 4096, [16], cc, impls=("ours", "jax"), ragged=True)
     if args.quick:
-        rows += measure_shape(32, 4096, [16], cc)
+        rows += measure_shape(32, 4096, [16], cc, configs=[dict(merge="xla")])
+        rows += measure_shape(8, 4096, [16], cc, impls=("ours", "cudnn"),
+                              configs=[dict(merge="xla")])
     else:
         free = dev.memory_stats().get("bytes_limit", 140e9) if hasattr(dev, "memory_stats") else 140e9
         for ctx in (512, 4096, 32768):

@@ -13,7 +13,7 @@ from jaxllm.kernels.xla import cached_attention
     (1, 2, 64, 200, None, False),  # GQA 4, a cache length that is no multiple of the block
     (3, 2, 64, 200, 2, False),     # speculative verify: 3 queries per row, split context
     (4, 8, 32, 96, 1, False),      # MHA, a cache shorter than one default block
-    (1, 2, 64, 200, 5, True),      # splits merged inside the kernel (counters)
+    (1, 2, 64, 200, 5, True),      # splits merged inside the kernel, counters given
     (3, 2, 64, 200, 3, True),      # the same, 3 queries per row (6 rows per kv head)
 ])
 def test_decode_attention_matches_cached_attention(q_len, hkv, d, max_len, num_splits,
@@ -28,8 +28,9 @@ def test_decode_attention_matches_cached_attention(q_len, hkv, d, max_len, num_s
     positions = lengths[:, None] - q_len + jnp.arange(q_len)[None]
     with jax.default_matmul_precision("highest"):  # no TF32 in the reference on a GPU
         want = cached_attention(q, k, v, positions)
-    kw = dict(sm_scale=d**-0.5, num_splits=num_splits, block_k=32)
-    if in_kernel:
+    kw = dict(sm_scale=d**-0.5, num_splits=num_splits, block_k=32,
+              merge="kernel" if in_kernel else "xla")
+    if in_kernel:  # counters given (as the model's q/k/v kernel writes them)
         kw["counters"] = jnp.zeros((b * hkv,), jnp.int32)
     got = decode_attention(q, k, v, lengths, **kw)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)

@@ -49,13 +49,15 @@ def test_ragged_lengths_shuffled_pages(page_size, hq, hkv):
     np.testing.assert_array_equal(out[0], 0.0)  # length 0 -> zeros
 
 
-@pytest.mark.parametrize("num_splits,block_k", [(1, 16), (2, 16), (4, 32), (16, 8)])
-def test_splits_and_block_sizes(num_splits, block_k):
-    """Flash-decoding splits (empty splits included) merge to the same answer."""
+@pytest.mark.parametrize("num_splits,block_k,merge", [(1, 16, "kernel"), (2, 16, "kernel"),
+                                                      (4, 32, "xla"), (16, 8, "kernel")])
+def test_splits_and_block_sizes(num_splits, block_k, merge):
+    """Flash-decoding splits (empty splits included) merge to the same answer, in the
+    kernel or after it."""
     lengths = [37, 0, 64, 9, 101]
     q, k, v, tables, lens = _case(num_splits, 8, 8, 2, lengths)
     out = paged_triton.paged_attention(q, k, v, tables, lens, sm_scale=0.3,
-                                       num_splits=num_splits, block_k=block_k)
+                                       num_splits=num_splits, block_k=block_k, merge=merge)
     np.testing.assert_allclose(out, _ref(q, k, v, tables, lens, 0.3), atol=2e-5, rtol=2e-5)
 
 

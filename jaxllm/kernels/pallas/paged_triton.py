@@ -14,14 +14,15 @@ speculative verify share the program with their group (S x G query rows, each ma
 its own position).
 
 Long contexts are split across programs (flash-decoding): each split writes its
-normalised partial output and log-sum-exp, and these are merged by log-sum-exp. The merge
-is either a small jnp epilogue (two more XLA kernels) or, given a zeroed int32 counter per
-(sequence, kv head), done inside the kernel by the last split to finish: each split
-stores its partials, counts itself in with an atomic add (acquire-release, after a
-barrier of its program, so the whole program's stores are ordered before it), and the
-split that sees every other one counted reads the partials back from L2, writes the final
-output and resets the counter to zero for the next call. With a single split the kernel
-writes the final output directly.
+normalised partial output and log-sum-exp, and the partials are merged by log-sum-exp.
+By default (`paged_attention`; `decode_attention` when given counters) the last split to
+finish merges them inside the kernel: each split stores its partials and counts itself
+in on an int32 counter per (sequence, kv head) with an atomic add (acquire-release, after
+a barrier of its program, so all of the program's stores are ordered before it); the
+split that sees every other one counted reads the partials back from L2, writes the
+final output and sets the counter back to zero. `merge="xla"` merges with a small jnp
+epilogue instead (two more XLA kernels). With a single split the kernel writes the final
+output directly.
 
 `lengths[b] == 0` gives a zero output row; lengths past the block table's capacity read
 only the table's pages (as the reference does).
@@ -194,10 +195,12 @@ def merge_partials(o_parts, lse_parts):
 
 def _launch(qg, k_flat, v_flat, layer, lengths, tables, *, kv_heads: int, group: int,
             q_len: int, page_size: int, n_table: int, contiguous: bool, sm_scale: float,
-            block_k, num_splits, num_warps, num_stages, interpret, counters=None):
+            block_k, num_splits, num_warps, num_stages, interpret, merge="kernel",
+            counters=None):
     """The kernel over qg [B, Hkv, q_len * group, D] -> same shape, in qg's dtype.
-    counters: int32 zeros [B * Hkv] to merge the splits inside the kernel (returned to
-    zero there), or None for the jnp merge."""
+    merge: how several splits are merged: "kernel" (by the last split, with int32 zero
+    `counters` [B * Hkv], filled here when not given; the kernel leaves them zero) or
+    "xla" (jnp after the kernel)."""
     batch, _, n_rows, head_dim = qg.shape
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -221,7 +224,11 @@ def _launch(qg, k_flat, v_flat, layer, lengths, tables, *, kv_heads: int, group:
     num_warps = 4 if num_warps is None else num_warps
     num_stages = 3 if num_stages is None else num_stages
 
-    merge = "none" if num_splits == 1 else "jnp" if counters is None else "kernel"
+    if merge not in ("kernel", "xla"):
+        raise ValueError(f"merge={merge!r}; choose 'kernel' or 'xla'")
+    merge = "none" if num_splits == 1 else "jnp" if merge == "xla" else "kernel"
+    if merge == "kernel" and counters is None:
+        counters = jnp.zeros((batch * kv_heads,), jnp.int32)
     if merge == "kernel" and counters.shape != (batch * kv_heads,):
         raise ValueError(f"counters must be int32 zeros [B * Hkv] = [{batch * kv_heads}]; got "
                          f"{counters.shape}")
@@ -279,11 +286,11 @@ def _launch(qg, k_flat, v_flat, layer, lengths, tables, *, kv_heads: int, group:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_splits", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "interpret", "merge"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: float,
                     layer=None, block_k: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None,
-                    interpret: bool | None = None, counters=None):
+                    interpret: bool | None = None, merge: str = "kernel", counters=None):
     """q [B, Hq, D]; k/v pages [Hkv, P, page, D]; block_tables [B, n]; lengths [B] -> [B, Hq, D].
 
     k/v pages may also be a whole layer stack [L, Hkv, P, page, D] with `layer` in [0, L)
@@ -291,7 +298,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     reads that layer in place, so no per-layer slice of the pool is ever copied.
     block_k: tokens per inner step (a multiple of the page size, default ~128);
     num_splits: programs per (sequence, kv head) along the context (default: fill the GPU).
-    counters: int32 zeros [B * Hkv] (see `decode_attention`).
+    merge, counters: how split contexts are merged (see `decode_attention`).
     """
     if k_pages.ndim == 5:
         if layer is None:
@@ -316,16 +323,16 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
         layer, lengths, block_tables, kv_heads=kv_heads, group=group, q_len=1,
         page_size=page_size, n_table=block_tables.shape[1], contiguous=False,
         sm_scale=sm_scale, block_k=block_k, num_splits=num_splits, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret, counters=counters)
+        num_stages=num_stages, interpret=interpret, merge=merge, counters=counters)
     return out.reshape(batch, hq, head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_splits", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "interpret", "merge"))
 def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float,
                      block_k: int | None = None, num_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     interpret: bool | None = None, counters=None):
+                     interpret: bool | None = None, merge: str = "auto", counters=None):
     """A few new queries per row over a contiguous cache (decode, speculative verify).
 
     q [B, S, Hq, D]: the S new tokens of row b sit at positions lengths[b] - S ..
@@ -333,12 +340,18 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float,
     k/v cache [B, Hkv, T, D] (the layout of model.attention.KVCache). -> [B, S, Hq, D].
     The same kernel as `paged_attention`, each row's blocks being its own consecutive
     tokens; the S x group queries of a kv head share every K/V read.
-    counters: int32 zeros [B * Hkv], e.g. written by the kernel before (see
-    `gemv_triton.decode_gemv`'s `zeros`): with them a split context is merged inside the
-    kernel, not by two more XLA kernels after it; the kernel leaves them zero again.
+    merge: a context split over several programs is merged by the last split to finish
+    ("kernel") or by two XLA kernels after it ("xla"); "auto" (default): "kernel" when
+    `counters` are given, else "xla". The kernel merge counts finished splits in int32
+    `counters` [B * Hkv] that must start at zero: filled here unless given, e.g. by the
+    kernel before (`gemv_triton.decode_gemv`'s `zeros`, which saves the fill's launch);
+    the kernel leaves them zero again. "auto" keeps the XLA merge where no counters come
+    in (the batch-32 model step, measured with it; docs/benchmarks.md).
     """
     batch, q_len, hq, head_dim = q.shape
     _, kv_heads, max_len, _ = k_cache.shape
+    if merge == "auto":
+        merge = "xla" if counters is None else "kernel"
     group = hq // kv_heads
     if block_k is None:
         block_k = 128 if max_len >= 128 else max(16, 1 << (max_len - 1).bit_length())
@@ -352,6 +365,6 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float,
         kv_heads=kv_heads, group=group, q_len=q_len, page_size=block_k,
         n_table=pl.cdiv(max_len, block_k), contiguous=True, sm_scale=sm_scale,
         block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        interpret=interpret, counters=counters)
+        interpret=interpret, merge=merge, counters=counters)
     return (out.reshape(batch, kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
             .reshape(batch, q_len, hq, head_dim))
