@@ -298,7 +298,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     reads that layer in place, so no per-layer slice of the pool is ever copied.
     block_k: tokens per inner step (a multiple of the page size, default ~128);
     num_splits: programs per (sequence, kv head) along the context (default: fill the GPU).
-    merge, counters: how split contexts are merged (see `decode_attention`).
+    merge: "kernel" (default; the last split merges, counting in int32 zero `counters`
+    [B * Hkv], filled here unless given) or "xla" (see `decode_attention`).
     """
     if k_pages.ndim == 5:
         if layer is None:
