@@ -58,8 +58,11 @@ TUNED = {"block_k": 512, "num_warps": {"none": 8, "glu": 4, "qkv": 4}, "num_stag
          "split_counters": True}
 
 
-def _kernel(*refs, fma: bool, **kw):
+def _kernel(*refs, fma: bool, zeros: bool, **kw):
     pid = pl.program_id(0)
+    if zeros:  # the last output: counters for the attention kernel after this one
+        _store_zeros(refs[-1], pid)
+        refs = refs[:-1]
     return (_main_fma if fma else _main)(*refs, pid=pid, **kw)
 
 
@@ -69,9 +72,7 @@ def _main(*refs, pid, m: int, k: int, block_k: int, eps: float | None, epilogue:
     """Tensor-core products: the rows padded to `rows_pad` (16) inside the program."""
     x_ref, w_ref, g_ref, res_ref, outs = _refs(refs, eps, has_residual, epilogue)
     if epilogue == "qkv":
-        pos_ref, freq_ref, q_ref, kc_ref, vc_ref, *zeros = outs
-        if zeros:
-            _store_zeros(zeros[0], pid)
+        pos_ref, freq_ref, q_ref, kc_ref, vc_ref = outs
     else:
         (o_ref,) = outs
     mp = rows_pad
@@ -149,9 +150,9 @@ def _refs(refs, eps, has_residual, epilogue):
     x_ref, w_ref = refs.pop(0), refs.pop(0)
     g_ref = refs.pop(0) if eps is not None else None
     res_ref = refs.pop(0) if has_residual else None
-    if epilogue == "qkv":  # inputs: positions, inv_freq, caches; outputs: q, caches[, zeros]
-        pos_ref, freq_ref, _, _, q_ref, kc_ref, vc_ref, *zeros = refs
-        return x_ref, w_ref, g_ref, res_ref, (pos_ref, freq_ref, q_ref, kc_ref, vc_ref, *zeros)
+    if epilogue == "qkv":
+        pos_ref, freq_ref, _, _, q_ref, kc_ref, vc_ref = refs
+        return x_ref, w_ref, g_ref, res_ref, (pos_ref, freq_ref, q_ref, kc_ref, vc_ref)
     return x_ref, w_ref, g_ref, res_ref, tuple(refs)
 
 
@@ -257,9 +258,7 @@ def _main_fma(*refs, pid, m: int, k: int, block_k: int, eps: float | None, epilo
             o_ref[r, pl.ds(c * rb, rb)] = _swiglu(*vals).astype(o_ref.dtype)
             continue
         # "qkv": head p; rotary pairs (c*rb + j, half + c*rb + j) of its head_dim
-        pos_ref, freq_ref, q_ref, kc_ref, vc_ref, *zeros = outs
-        if zeros and r == 0:
-            _store_zeros(zeros[0], pid)
+        pos_ref, freq_ref, q_ref, kc_ref, vc_ref = outs
         pos = pos_ref[r]
         angle = pos.astype(f32) * freq_ref[pl.ds(c * rb, rb)]
         a, b, is_q, hq, is_k, is_v, hkv = _qkv_head(*vals, angle, p, q_heads, kv_heads)
@@ -402,7 +401,7 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
     kernel = functools.partial(
         _kernel, m=m, k=k, block_k=block_k, eps=eps, epilogue=epilogue,
         has_residual=residual is not None, half=half, q_len=q_len, q_heads=q_heads,
-        kv_heads=kv_heads, rows_pad=MAX_ROWS, rb=rb, fma=fma)
+        kv_heads=kv_heads, rows_pad=MAX_ROWS, rb=rb, fma=fma, zeros=bool(zeros))
     return pl.pallas_call(
         kernel,
         grid=(grid,),
