@@ -2,13 +2,16 @@
 
     PYTHONPATH=. python benchmarks/decode_profile.py [--config configs/llama_1b.yaml]
         [--batch 1] [--prompt-len 1024] [--chunk 32] [--top 25] [--tuned JSON]
+        [--timeline N]
 
 Builds the model from the config (random weights: speed does not depend on them), prefills
 a random prompt, compiles `decode.decode_chunk`, then traces one chunk of `--chunk` decode
 steps with `jax.profiler` and reads the trace back (`jax.profiler.ProfileData`). Printed:
 wall time per step, the summed kernel time per step (GPU busy time), kernel launches per
-step, and the kernels that take the most time, grouped by HLO op or kernel name. A step
-whose busy time is far below its wall time is bound by launches and gaps, not by HBM.
+step, the kernels that take the most time, grouped by HLO op or kernel name, and the idle
+gaps between kernels (by size, the largest with their neighbours; --timeline N lists N
+kernels in order). A step whose busy time is far below its wall time is bound by
+launches and gaps, not by HBM.
 """
 from __future__ import annotations
 
@@ -66,6 +69,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--timeline", type=int, default=0,
+                    help="also print this many consecutive kernels with their gaps")
     ap.add_argument("--stacked", action="store_true", help="keep the scanned layer stack")
     ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up separate")
     ap.add_argument("--tuned", default=None,
@@ -136,6 +141,39 @@ def main(argv=None):
     print("\nWhat the top kernels compute (result shape; the jax ops fused into them):")
     for name, _ in rows[:12]:
         print(f"  {name}: {describe_kernel(hlo, name)}")
+    print_gaps(kernels, n, args.timeline)
+
+
+def print_gaps(kernels, steps: int, timeline: int):
+    """Idle time between consecutive kernels: per step, by size, the largest gaps with
+    the kernels on either side; with `timeline`, that many kernels from the middle of
+    the trace in order (start offset, gap before, duration)."""
+    evs = sorted((start, dur, name) for _, name, start, dur in kernels)
+    gaps = []  # (gap ns, index of the kernel after it)
+    end = evs[0][0] + evs[0][1]
+    for i, (start, dur, _) in enumerate(evs[1:], 1):
+        gaps.append((max(0, start - end), i))
+        end = max(end, start + dur)
+    total = sum(g for g, _ in gaps) / steps / 1e3
+    print(f"\nidle between kernels: {total:.1f} us per step over {len(gaps) / steps:.1f} gaps")
+    for lo, hi in ((0, 1e3), (1e3, 2e3), (2e3, 5e3), (5e3, 2e4), (2e4, 1e12)):
+        sel = [g for g, _ in gaps if lo <= g < hi]
+        label = f"{lo / 1e3:g}-{hi / 1e3:g}" if hi < 1e12 else f"{lo / 1e3:g}+"
+        print(f"  gaps {label} us: {len(sel) / steps:.1f} per step, "
+              f"{sum(sel) / steps / 1e3:.1f} us per step")
+    print("largest gaps (us: kernel before -> kernel after):")
+    for g, i in sorted(gaps, reverse=True)[:8]:
+        print(f"  {g / 1e3:.1f}: {evs[i - 1][2][:50]} -> {evs[i][2][:50]}")
+    if timeline:
+        mid = max(0, len(evs) // 2 - timeline // 2)
+        t0 = evs[mid][0]
+        print(f"\n| kernel (from the middle of the trace) | start us | gap before us | us |")
+        print("| --- | --- | --- | --- |")
+        for j in range(mid, min(len(evs), mid + timeline)):
+            start, dur, name = evs[j]
+            gap = gaps[j - 1][0] if j else 0
+            print(f"| {name[:60]} | {(start - t0) / 1e3:.1f} | {gap / 1e3:.1f} | "
+                  f"{dur / 1e3:.1f} |")
 
 
 def describe_kernel(hlo: str, name: str) -> str:

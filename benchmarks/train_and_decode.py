@@ -63,7 +63,7 @@ LAYER_FORMS = {0: "stacked", 1: "per-layer", 2: "per-layer, fused"}
 
 
 def bench_decode(config: str, batch: int, prompt_len: int, new_tokens: int, form: int,
-                 chunk: int, overrides=()) -> dict:
+                 chunk: int, overrides=(), overlap: bool = True) -> dict:
     cfg = load_config(config, list(overrides))
     model = build_model(cfg.model, rngs=nnx.Rngs(0))
     graphdef, params = inference_params(model, cfg, unstack=form > 0, fuse=form > 1)
@@ -71,14 +71,14 @@ def bench_decode(config: str, batch: int, prompt_len: int, new_tokens: int, form
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, 256, size=(batch, prompt_len)).tolist()
     _, t = generate_ids(graphdef, params, prompts, max_new_tokens=new_tokens, temperature=0.0,
-                        eos_id=None, chunk=chunk)
+                        eos_id=None, chunk=chunk, overlap=overlap)
     m = cfg.model
     weight_bytes = 2 * (m.num_params(embeddings=False) + m.vocab_size * m.d_model)
     ctx = prompt_len + new_tokens / 2  # mean live context during decoding
     kv_bytes = 2 * m.n_layers * ctx * m.n_kv_heads * m.resolved_head_dim * 2 * batch
     bw = hbm_bandwidth()
     floor = (weight_bytes + kv_bytes) / bw if bw else float("nan")
-    return {"batch": batch, "layers": LAYER_FORMS[form], "ttft_ms": 1e3 * t["ttft_s"],
+    return {"batch": batch, "layers": LAYER_FORMS[form], "overlap": overlap, "ttft_ms": 1e3 * t["ttft_s"],
             "tpot_ms": 1e3 * t["tpot_s"], "tokens_per_s": batch / t["tpot_s"],
             "roofline_pct": 100 * floor / t["tpot_s"], "compile_s": t["compile_s"]}
 
@@ -96,6 +96,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--overlap", default="1",
+                    help="queue the next decode chunk before reading the current one (1), "
+                         "or dispatch it after (0); '0,1' times both")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.decode_impl=xla")
     args = ap.parse_args()
@@ -110,10 +113,11 @@ def main():
         train_rows.append(row)
     for b in filter(None, args.decode_batches.split(",")):
         for u in args.unstack.split(","):
-            row = bench_decode(args.config, int(b), args.prompt_len, args.new_tokens,
-                               int(u), args.chunk, args.overrides)
-            print("decode", row, flush=True)
-            decode_rows.append(row)
+            for o in args.overlap.split(","):
+                row = bench_decode(args.config, int(b), args.prompt_len, args.new_tokens,
+                                   int(u), args.chunk, args.overrides, overlap=bool(int(o)))
+                print("decode", row, flush=True)
+                decode_rows.append(row)
 
     if args.out:
         Path(args.out).write_text(json.dumps({"train": train_rows, "decode": decode_rows},
@@ -124,10 +128,12 @@ def main():
         print(f"| {r['impl']}, remat {r['remat']} | {r['batch']} | {r['steps']} | "
               f"{r['loss_first']:.2f} -> {r['loss_last']:.2f} | {r['tokens_per_s']:,.0f} | "
               f"{100 * r['mfu']:.1f}% |")
-    print("\n| decode batch | layers | TTFT ms | TPOT ms | tokens/s | % HBM roofline |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| decode batch | layers | chunks queued ahead | TTFT ms | TPOT ms | tokens/s | "
+          "% HBM roofline |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in decode_rows:
-        print(f"| {r['batch']} | {r['layers']} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.3f} | "
+        print(f"| {r['batch']} | {r['layers']} | {int(r['overlap'])} | {r['ttft_ms']:.1f} | "
+              f"{r['tpot_ms']:.3f} | "
               f"{r['tokens_per_s']:,.0f} | {r['roofline_pct']:.0f}% |")
 
 

@@ -3,7 +3,9 @@
 Prefill runs the prompts through the model once (flash attention over the prompt, K/V
 written to the cache). Decoding then runs on the device in chunks of `decode_chunk`
 tokens (`lax.scan`, no host round trip inside a chunk); between chunks the host streams
-the new text and stops once every row has produced EOS or the limit is reached.
+the new text and stops once every row has produced EOS or the limit is reached. The next
+chunk is queued on the device before the host reads the current one, so the host's work
+between chunks overlaps the device's.
 """
 from __future__ import annotations
 
@@ -103,11 +105,18 @@ def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: 
                  temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  eos_id: int | None = None, chunk: int = 16,
                  on_tokens: Callable[[np.ndarray], None] | None = None,
-                 warmup: bool = True) -> tuple[list[list[int]], dict]:
+                 warmup: bool = True, overlap: bool = True) -> tuple[list[list[int]], dict]:
     """Generate up to `max_new_tokens` ids per prompt. Returns (ids per prompt, timings).
 
     `on_tokens(ids (B, n))` is called with every newly generated block (-1 after a row's
     end), for streaming. With `warmup`, both functions are compiled before timing starts.
+
+    With `overlap` (the default) the next chunk is dispatched before the host reads the
+    current one's tokens (and the first chunk before the host waits for the first token),
+    so the device never waits on the host between chunks. When every row has stopped at
+    EOS, the one chunk already queued behind it still runs on the device, and its tokens
+    are dropped. Without `overlap`, each chunk is dispatched after the previous one's
+    tokens have reached the host.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must hold at least one token")
@@ -135,22 +144,32 @@ def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: 
         jax.block_until_ready(state)
         compile_s = time.perf_counter() - t0
 
+    n_chunks = -(-max_new_tokens // chunk)
     t_start = time.perf_counter()
     cache, token = prefill(graphdef, params, tokens, lengths, k_prefill, cache_len=cache_len,
                            **opts)
+    state = (cache, token, lengths, jnp.zeros(b, bool), k_decode)
+    queued = []  # dispatched chunks whose tokens the host has not read yet
+    if overlap and n_chunks:
+        queued.append(decode_chunk(graphdef, params, *state, **step_opts))
     token.block_until_ready()
     t_first = time.perf_counter()
-    pos, done, key = lengths, jnp.zeros(b, bool), k_decode
-    blocks, n_steps = [], 0
+    blocks, n_steps, dispatched = [], 0, len(queued)
     while n_steps < max_new_tokens:
-        cache, token, pos, done, key, emitted = decode_chunk(
-            graphdef, params, cache, token, pos, done, key, **step_opts)
-        emitted = np.asarray(emitted)[:, :max_new_tokens - n_steps]
+        if not queued:
+            queued.append(decode_chunk(graphdef, params, *state, **step_opts))
+            dispatched += 1
+        *state, emitted = queued.pop(0)
+        if overlap and dispatched < n_chunks:  # the next chunk runs while the host reads
+            queued.append(decode_chunk(graphdef, params, *state, **step_opts))
+            dispatched += 1
+        emitted, done = jax.device_get((emitted, state[3]))
+        emitted = emitted[:, :max_new_tokens - n_steps]
         n_steps += emitted.shape[1]
         blocks.append(emitted)
         if on_tokens is not None:
             on_tokens(np.where(emitted == eos_id, -1, emitted) if eos_id is not None else emitted)
-        if bool(np.asarray(done).all()):  # every row has emitted EOS
+        if bool(done.all()):  # every row has emitted EOS
             break
     t_end = time.perf_counter()
 
