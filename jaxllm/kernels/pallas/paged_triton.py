@@ -159,158 +159,6 @@ def _merge_splits(out_ref, o_part_ref, lse_part_ref, cnt_ref, b, h, kv_heads: in
     cnt_ref[b * kv_heads + h] = jnp.zeros((), jnp.int32)
 
 
-def _persistent_kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, cnt_in_ref,
-                       out_ref, o_part_ref, lse_part_ref, cnt_ref, *, batch: int,
-                       batch_pad: int, group: int, kv_heads: int, page_size: int,
-                       pages_per_step: int, n_table: int, scale_log2: float,
-                       allow_tf32: bool, n_programs: int, interpret: bool):
-    """Persistent form of `_decode_kernel` (one query per row, paged): the steps of every
-    (sequence, kv head) item, taken in order, form one stream that the `n_programs`
-    programs share in runs of equal length (item j = b * Hkv + h holds max(1, ceil(len_b / block_k))
-    steps). A program runs its share as one loop, so its loads run on across item
-    boundaries; an item that lies wholly in one program's share is written directly, and
-    one shared by several programs (only a program's first and last items can be) is
-    merged by the last of them to count in (partials in slot 0 for a program's first
-    item, 1 for its last; counters as in `_decode_kernel`)."""
-    p = pl.program_id(0)
-    rows, head_dim = q_ref.shape[2], q_ref.shape[3]
-    block_k = pages_per_step * page_size
-    cap = n_table * page_size
-    idx = jnp.arange(batch_pad)
-    lens = jnp.minimum(pltriton.load(lengths_ref.at[idx], mask=idx < batch, other=0), cap)
-    steps_b = jnp.where(idx < batch, jnp.maximum(1, (lens + block_k - 1) // block_k), 0)
-    incl = jnp.cumsum(steps_b)  # steps of rows 0..b, one kv head
-    total = kv_heads * jnp.sum(steps_b)
-
-    share = (total + n_programs - 1) // n_programs  # steps per program; the last may idle
-
-    def start(q_):  # first global step of program q_
-        return jnp.minimum(q_ * share, total)
-
-    def program_of(g):  # the program whose share holds global step g
-        return g // share
-
-    s0, s1 = start(p), start(p + 1)
-
-    def locate(g):  # (b, h, step within the item, steps of b) of global step g
-        b = jnp.sum((kv_heads * incl <= g).astype(jnp.int32))
-        here = idx == b
-        nb = jnp.sum(jnp.where(here, steps_b, 0))
-        off = g - kv_heads * jnp.sum(jnp.where(here, incl - steps_b, 0))
-        return b, off // jnp.maximum(nb, 1), off % jnp.maximum(nb, 1), nb
-
-    tok = jnp.arange(block_k)
-    cols = jnp.broadcast_to(jnp.arange(head_dim)[None, :], (block_k, head_dim))
-    r2 = jnp.broadcast_to(jnp.arange(rows)[:, None], (rows, head_dim))
-    d2 = jnp.broadcast_to(jnp.arange(head_dim)[None, :], (rows, head_dim))
-    row_ok = jnp.arange(rows) < group
-    ok2 = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
-
-    def finish(acc, m, l):
-        nonempty = l > 0
-        out = acc / jnp.where(nonempty, l, 1.0)[:, None]
-        lse = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * _LN2,
-                        -jnp.inf)
-        return out, lse
-
-    def step(i, carry):
-        acc, m, l, b, h, st, nb = carry
-        length = jnp.minimum(lengths_ref[b], cap)
-        page_pos = st * pages_per_step + tok // page_size
-        token = page_pos * page_size + tok % page_size
-        valid = token < length
-        page = pltriton.load(tables_ref.at[b, page_pos], mask=valid, other=0)
-        kv_rows = jnp.broadcast_to((page * page_size + tok % page_size)[:, None],
-                                   (block_k, head_dim))
-        kv_mask = jnp.broadcast_to(valid[:, None], (block_k, head_dim))
-        kv_row = layer_ref[0] * kv_heads + h
-        k = pltriton.load(k_ref.at[kv_row, kv_rows, cols], mask=kv_mask, other=0)
-        v = pltriton.load(v_ref.at[kv_row, kv_rows, cols], mask=kv_mask, other=0)
-        q = pltriton.load(q_ref.at[b, h, r2, d2], mask=ok2, other=0)
-        s = pltriton.dot(q, k, trans_b=True, allow_tf32=allow_tf32) * scale_log2
-        s = jnp.where(jnp.broadcast_to(valid[None, :], s.shape), s, _NEG)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        corr = jnp.exp2(m - m_new)
-        p_ = jnp.exp2(s - m_new[:, None])
-        l = l * corr + p_.sum(axis=1)
-        acc = acc * corr[:, None] + pltriton.dot(p_.astype(v.dtype), v, allow_tf32=allow_tf32)
-        m = m_new
-        last = st == nb - 1
-        whole = last & (i >= st)  # the item began inside this program's share
-
-        @pl.when(whole)
-        def _():
-            out, _ = finish(acc, m, l)
-            pltriton.store(out_ref.at[b, h, r2, d2], out.astype(out_ref.dtype), mask=ok2)
-
-        @pl.when((last | (i == s1 - s0 - 1)) & ~whole)
-        def _():  # a part of an item shared with other programs
-            out, lse = finish(acc, m, l)
-            slot = jnp.where(i <= st, 0, 1)  # the item holding s0 is the first
-            pltriton.store(o_part_ref.at[p, slot, r2, d2], out, mask=ok2)
-            pltriton.store(lse_part_ref.at[p, slot, jnp.arange(rows)], lse, mask=row_ok)
-
-        # on to the next step, resetting the sums at an item boundary
-        acc = jnp.where(last, 0.0, acc)
-        m = jnp.where(last, _NEG, m)
-        l = jnp.where(last, 0.0, l)
-        nh = jnp.where(last, h + 1, h)
-        nb_row = jnp.where(nh == kv_heads, b + 1, b)
-        nbs = jnp.where(nb_row != b,
-                        jnp.maximum(1, pl.cdiv(jnp.minimum(
-                            lengths_ref[jnp.minimum(nb_row, batch - 1)], cap), block_k)), nb)
-        return (acc, m, l, nb_row, jnp.where(nh == kv_heads, 0, nh),
-                jnp.where(last, 0, st + 1), nbs)
-
-    b0, h0, st0, nb0 = locate(s0)
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
-            jnp.zeros((rows,), jnp.float32), b0, h0, st0, nb0)
-    jax.lax.fori_loop(0, s1 - s0, step, init)
-
-    def merge_if_last(g_first, g_last):
-        """Count this program in on the item holding steps g_first..g_last of its share
-        (a shared item); the last program of the item merges its parts."""
-        b, h, st, nb = locate(g_first)
-        a = g_first - st  # the item's first and last global steps
-        e = a + nb - 1
-        p_a, p_e = program_of(a), program_of(e)
-
-        @pl.when((g_last >= g_first) & (p_e > p_a))
-        def _():
-            counted = pltriton.atomic_add(cnt_ref, (b * kv_heads + h,),
-                                          jnp.ones((), jnp.int32))
-
-            @pl.when(counted == p_e - p_a)
-            def _():
-                def part(q_, carry):
-                    o, mx, den = carry
-                    slot = jnp.where((q_ > p_a) | (start(q_) == a), 0, 1)
-                    lse = pltriton.load(lse_part_ref.at[q_, slot, jnp.arange(rows)],
-                                        mask=row_ok, other=-jnp.inf)
-                    po = pltriton.load(o_part_ref.at[q_, slot, r2, d2], mask=ok2, other=0.0)
-                    mx_new = jnp.maximum(mx, lse)
-                    safe = jnp.where(mx_new > -jnp.inf, mx_new, 0.0)
-                    c_old = jnp.exp(mx - safe)
-                    w = jnp.exp(lse - safe)
-                    return (o * c_old[:, None] + w[:, None] * po, mx_new,
-                            den * c_old + w)
-
-                o, _, den = jax.lax.fori_loop(
-                    p_a, p_e + 1, part,
-                    (jnp.zeros((rows, head_dim), jnp.float32),
-                     jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)))
-                out = o / jnp.where(den > 0, den, 1.0)[:, None]
-                pltriton.store(out_ref.at[b, h, r2, d2], out.astype(out_ref.dtype), mask=ok2)
-                cnt_ref[b * kv_heads + h] = jnp.zeros((), jnp.int32)
-
-    if not interpret:  # the program's partial stores come before its counts
-        pltriton.debug_barrier()
-    merge_if_last(s0, s1 - 1)  # the first item (shared when it began before s0)
-    b_l, h_l, st_l, nb_l = locate(jnp.maximum(s1 - 1, s0))
-    first_is_last = (s1 - 1 - st_l) <= s0
-    merge_if_last(jnp.where(first_is_last, s1, s1 - 1 - st_l), s1 - 1)  # the last item
-
-
 def unsupported_reason(q, *_) -> str | None:
     """Why the kernel cannot take q (None if it can); `auto` then picks another impl."""
     d = q.shape[-1]
@@ -437,62 +285,12 @@ def _launch(qg, k_flat, v_flat, layer, lengths, tables, *, kv_heads: int, group:
     return out
 
 
-def _launch_persistent(qg, k_flat, v_flat, layer, lengths, tables, *, kv_heads: int,
-                       group: int, page_size: int, sm_scale: float, block_k, programs_per_sm,
-                       num_warps, num_stages, interpret, counters=None):
-    """`_persistent_kernel` over qg [B, Hkv, group, D] -> same shape, in qg's dtype."""
-    batch, _, _, head_dim = qg.shape
-    n_table = tables.shape[1]
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    if page_size & (page_size - 1) or head_dim & (head_dim - 1):
-        raise ValueError(f"page_size={page_size} and head_dim={head_dim} must be powers of two "
-                         f"for the pallas_triton paged kernel")
-    block_k = max(page_size, 128) if block_k is None else block_k
-    if block_k % page_size or block_k & (block_k - 1):
-        raise ValueError(f"block_k={block_k} must be a power-of-two multiple of "
-                         f"page_size={page_size}")
-    pages_per_step = min(block_k // page_size, 1 << max(0, (n_table - 1).bit_length()))
-    n_programs = _sm_count() * (2 if programs_per_sm is None else programs_per_sm)
-    rows = max(_MIN_ROWS, 1 << (group - 1).bit_length())
-    if counters is None:
-        counters = jnp.zeros((batch * kv_heads,), jnp.int32)
-    if counters.shape != (batch * kv_heads,):
-        raise ValueError(f"counters must be int32 zeros [B * Hkv] = [{batch * kv_heads}]; got "
-                         f"{counters.shape}")
-    kernel = functools.partial(
-        _persistent_kernel, batch=batch, batch_pad=max(16, 1 << (batch - 1).bit_length()),
-        group=group, kv_heads=kv_heads, page_size=page_size, pages_per_step=pages_per_step,
-        n_table=n_table, scale_log2=sm_scale * _LOG2E, n_programs=n_programs,
-        interpret=interpret, allow_tf32=qg.dtype != jnp.float32)
-    out = pl.pallas_call(
-        kernel,
-        grid=(n_programs,),
-        in_specs=[pl.no_block_spec] * 7,
-        out_specs=(pl.no_block_spec,) * 4,
-        out_shape=(jax.ShapeDtypeStruct(qg.shape, qg.dtype),
-                   jax.ShapeDtypeStruct((n_programs, 2, group, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((n_programs, 2, group), jnp.float32),
-                   jax.ShapeDtypeStruct(counters.shape, jnp.int32)),
-        input_output_aliases={6: 3},
-        compiler_params=pltriton.CompilerParams(
-            num_warps=4 if num_warps is None else num_warps,
-            num_stages=3 if num_stages is None else num_stages),
-        interpret=interpret,
-        name=f"paged_decode_persistent_p{page_size}_bk{block_k}_n{n_programs}",
-    )(layer, lengths.astype(jnp.int32), tables.astype(jnp.int32), qg, k_flat, v_flat,
-      counters.astype(jnp.int32))
-    return out[0]
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_splits", "num_warps",
-                                             "num_stages", "interpret", "merge", "schedule",
-                                             "programs_per_sm"))
+                                             "num_stages", "interpret", "merge"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: float,
                     layer=None, block_k: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None,
-                    interpret: bool | None = None, merge: str = "kernel", counters=None,
-                    schedule: str = "grid", programs_per_sm: int | None = None):
+                    interpret: bool | None = None, merge: str = "kernel", counters=None):
     """q [B, Hq, D]; k/v pages [Hkv, P, page, D]; block_tables [B, n]; lengths [B] -> [B, Hq, D].
 
     k/v pages may also be a whole layer stack [L, Hkv, P, page, D] with `layer` in [0, L)
@@ -502,13 +300,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     num_splits: programs per (sequence, kv head) along the context (default: fill the GPU).
     merge: "kernel" (default; the last split merges, counting in int32 zero `counters`
     [B * Hkv], filled here unless given) or "xla" (see `decode_attention`).
-    schedule: "grid" (one program per (sequence, kv head, split)) or "persistent"
-    (`programs_per_sm` programs per SM, default 2, share the steps of all sequences
-    evenly and stream across sequence boundaries; merges in the kernel; `num_splits` and
-    `merge` do not apply).
     """
-    if schedule not in ("grid", "persistent"):
-        raise ValueError(f"schedule={schedule!r}; choose 'grid' or 'persistent'")
     if k_pages.ndim == 5:
         if layer is None:
             raise ValueError(f"k/v pages of shape {k_pages.shape} are a layer stack; pass layer=")
@@ -525,16 +317,6 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     batch, hq, head_dim = q.shape
     rows_total, num_pages, page_size, _ = k_pages.shape
     group = hq // kv_heads
-    if schedule == "persistent":
-        out = _launch_persistent(
-            q.reshape(batch, kv_heads, group, head_dim),
-            k_pages.reshape(rows_total, num_pages * page_size, head_dim),
-            v_pages.reshape(rows_total, num_pages * page_size, head_dim),
-            layer, lengths, block_tables, kv_heads=kv_heads, group=group,
-            page_size=page_size, sm_scale=sm_scale, block_k=block_k,
-            programs_per_sm=programs_per_sm, num_warps=num_warps, num_stages=num_stages,
-            interpret=interpret, counters=counters)
-        return out.reshape(batch, hq, head_dim)
     out = _launch(
         q.reshape(batch, kv_heads, group, head_dim),
         k_pages.reshape(rows_total, num_pages * page_size, head_dim),
