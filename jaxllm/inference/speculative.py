@@ -19,7 +19,6 @@ rejected drafts are simply overwritten by the next step: no rollback.
 from __future__ import annotations
 
 import time
-from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxllm.inference.decode import jit_bound
 from jaxllm.inference.sampling import probabilities, sample
 from jaxllm.model.attention import KVCache
 from jaxllm.model.mtp import shift_left
@@ -130,14 +130,16 @@ class SpecState(NamedTuple):
     accepted: jax.Array  # (k,) accepted drafts per position, summed over steps and rows
 
 
-_STATIC = ("graphdef", "draft_graphdef", "method", "k", "cache_len", "out_len", "temperature",
-           "top_k", "top_p")
+_STATIC = ("method", "k", "cache_len", "out_len", "temperature", "top_k", "top_p")
 
 
-@partial(jax.jit, static_argnames=_STATIC)
-def spec_prefill(graphdef, params, draft_graphdef, draft_params, tokens, lengths, key, *,
+def spec_prefill(graphdef, draft_graphdef, params, draft_params, tokens, lengths, key, *,
                  method, k, cache_len, out_len, temperature, top_k, top_p):
-    """Prompts (B, P) right-padded, lengths (B,) -> the loop's initial SpecState."""
+    """Prompts (B, P) right-padded, lengths (B,) -> (the loop's initial SpecState, the
+    first tokens (B,) as an array of their own, readable while the loop holds the state).
+
+    Jitted by `speculative_generate_ids` with the graph definitions bound
+    (`decode.jit_bound`)."""
     opts = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     model = nnx.merge(graphdef, params)
     b = tokens.shape[0]
@@ -159,15 +161,16 @@ def spec_prefill(graphdef, params, draft_graphdef, draft_params, tokens, lengths
         drafts, draft_probs, draft_cache = draft_with_mtp(
             model, h, next_tokens, last, draft_cache, zeros, k_draft, k, opts, prefill=True)
     out = jnp.full((b, out_len), -1, jnp.int32).at[:, 0].set(first)
-    return SpecState(cache, draft_cache, first, tokens[rows, last], lengths, drafts,
-                     draft_probs, out, jnp.ones(b, jnp.int32), jnp.zeros(b, bool), key,
-                     jnp.int32(0), jnp.zeros(k, jnp.int32))
+    state = SpecState(cache, draft_cache, first, tokens[rows, last], lengths, drafts,
+                      draft_probs, out, jnp.ones(b, jnp.int32), jnp.zeros(b, bool), key,
+                      jnp.int32(0), jnp.zeros(k, jnp.int32))
+    return state, first  # a second output buffer: the loop takes the state donated
 
 
-@partial(jax.jit, static_argnames=_STATIC + ("eos_id",), donate_argnames=("state",))
-def spec_loop(graphdef, params, draft_graphdef, draft_params, state, limit, *, method, k,
+def spec_loop(graphdef, draft_graphdef, params, draft_params, state, limit, *, method, k,
               cache_len, out_len, temperature, top_k, top_p, eos_id):
-    """Speculative steps until every row has `limit` tokens or has emitted EOS."""
+    """Speculative steps until every row has `limit` tokens or has emitted EOS (jitted as
+    `spec_prefill`, the state donated)."""
     opts = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     model = nnx.merge(graphdef, params)
     draft = nnx.merge(draft_graphdef, draft_params) if method == "draft" else None
@@ -276,20 +279,25 @@ def speculative_generate_ids(graphdef, params, prompts: list[list[int]], *, meth
                   out_len=max_new_tokens + k + 1, temperature=float(temperature),
                   top_k=int(top_k), top_p=float(top_p))
     key = jax.random.key(seed)
-    args = (graphdef, params, draft_graphdef, draft_params)
+    graphs = (graphdef, draft_graphdef)
+    prefill_fn = jit_bound(spec_prefill, graphs, static_argnames=_STATIC)
+    loop_fn = jit_bound(spec_loop, graphs, static_argnames=_STATIC + ("eos_id",),
+                        donate_argnames=("state",))
+    args = (params, draft_params)
 
     compile_s = 0.0
     if warmup:  # compile both and run one step (limit 2), as the timed loop will
         t0 = time.perf_counter()
-        state = spec_prefill(*args, tokens, lengths, key, **static)
-        jax.block_until_ready(spec_loop(*args, state, 2, eos_id=eos_id, **static))
+        state, _ = prefill_fn(*args, tokens, lengths, key, **static)
+        jax.block_until_ready(loop_fn(*args, state, 2, eos_id=eos_id, **static))
         compile_s = time.perf_counter() - t0
 
     t_start = time.perf_counter()
-    state = spec_prefill(*args, tokens, lengths, key, **static)
-    state.token.block_until_ready()
+    state, first = prefill_fn(*args, tokens, lengths, key, **static)
+    # the loop is queued before the host waits for the first token
+    state = loop_fn(*args, state, max_new_tokens, eos_id=eos_id, **static)
+    first.block_until_ready()
     t_first = time.perf_counter()
-    state = spec_loop(*args, state, max_new_tokens, eos_id=eos_id, **static)
     out = np.asarray(state.out)[:, :max_new_tokens]
     t_end = time.perf_counter()
 
