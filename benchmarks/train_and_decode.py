@@ -78,9 +78,10 @@ def bench_decode(config: str, batch: int, prompt_len: int, new_tokens: int, form
     kv_bytes = 2 * m.n_layers * ctx * m.n_kv_heads * m.resolved_head_dim * 2 * batch
     bw = hbm_bandwidth()
     floor = (weight_bytes + kv_bytes) / bw if bw else float("nan")
-    return {"batch": batch, "layers": LAYER_FORMS[form], "overlap": overlap, "ttft_ms": 1e3 * t["ttft_s"],
-            "tpot_ms": 1e3 * t["tpot_s"], "tokens_per_s": batch / t["tpot_s"],
-            "roofline_pct": 100 * floor / t["tpot_s"], "compile_s": t["compile_s"]}
+    return {"batch": batch, "layers": LAYER_FORMS[form], "overlap": overlap,
+            "ttft_ms": 1e3 * t["ttft_s"], "tpot_ms": 1e3 * t["tpot_s"],
+            "tokens_per_s": batch / t["tpot_s"], "roofline_pct": 100 * floor / t["tpot_s"],
+            "compile_s": t["compile_s"]}
 
 
 def main():
