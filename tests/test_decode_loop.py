@@ -48,16 +48,16 @@ def test_tokens_independent_of_chunking_and_overlap(params, prompts, ref, overla
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_stops_at_eos(params, prompts, ref, overlap):
+    # an EOS id that row 0 produces for the first time in its third or fourth chunk (of
+    # five), so that a batch of row 0's prompt alone stops before the limit
+    row = ref[0]
+    j = next(i for i in range(10, 20) if row[i] not in row[:i])
+    eos = row[j]
     # each row is cut at its own first EOS; the loop runs on while any row has none
-    eos = ref[1][9]
     ids, t = _run(params, prompts, chunk=5, overlap=overlap, eos_id=eos)
     for got, want in zip(ids, ref):
         assert got == want[:want.index(eos) if eos in want else len(want)]
-    # once every row has stopped, no further chunk is read: three copies of one prompt and
-    # an EOS id that its row produces for the first time in its third or fourth chunk (of
-    # five), so the loop stops before the limit
-    row = ref[0]
-    j = next(i for i in range(10, 20) if row[i] not in row[:i])
-    ids, t = _run(params, prompts[:1] * 3, chunk=5, overlap=overlap, eos_id=row[j])
+    # once every row has stopped, no further chunk is read (three copies of one prompt)
+    ids, t = _run(params, prompts[:1] * 3, chunk=5, overlap=overlap, eos_id=eos)
     assert ids == [row[:j]] * 3
     assert t["decode_steps"] == 5 * (j // 5 + 1)
