@@ -1,3 +1,5 @@
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -64,7 +66,7 @@ def test_cached_decode_matches_full_forward(kv, form, monkeypatch):
     model = nnx.merge(graphdef, state)
     b, s, prompt = 2, 14, 5
     tokens = _tokens(jax.random.key(kv), b, s)
-    full = model(tokens)
+    full = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))(state, tokens)
     if form != "stacked":
         model.unstack_layers()
     if form in ("fused", "kernel"):
@@ -73,15 +75,20 @@ def test_cached_decode_matches_full_forward(kv, form, monkeypatch):
         assert model.blocks[0].fused_decode == kernel
     cache = model.init_cache(b, 32)
     assert cache.per_layer == (form != "stacked") and cache.max_len == 32
-    logits, cache = model.forward_cached(tokens[:, :prompt], cache, jnp.zeros(b, jnp.int32),
-                                         prefill=True)
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnames="prefill")  # as decoding runs it
+    def step(state, tokens, cache, start, prefill=False):
+        return nnx.merge(graphdef, state).forward_cached(tokens, cache, start, prefill=prefill)
+
+    logits, cache = step(state, tokens[:, :prompt], cache, jnp.zeros(b, jnp.int32),
+                         prefill=True)
     got = [logits]
     for t in range(prompt, s - 3):  # one token at a time
-        logits, cache = model.forward_cached(tokens[:, t:t + 1], cache,
-                                             jnp.full(b, t, jnp.int32))
+        logits, cache = step(state, tokens[:, t:t + 1], cache, jnp.full(b, t, jnp.int32))
         got.append(logits)
     # then a block of 3 tokens at once (as speculative verification does)
-    logits, cache = model.forward_cached(tokens[:, s - 3:], cache, jnp.full(b, s - 3, jnp.int32))
+    logits, cache = step(state, tokens[:, s - 3:], cache, jnp.full(b, s - 3, jnp.int32))
     got.append(logits)
     np.testing.assert_allclose(jnp.concatenate(got, 1), full, atol=2e-5, rtol=2e-5)
 
@@ -90,12 +97,14 @@ def test_cached_decode_ragged_rows():
     """Rows at different positions in one batch decode like each row alone."""
     model, _ = _model("model.n_kv_heads=2")
     tokens = _tokens(jax.random.key(5), 2, 12)
-    full = model(tokens)
+    full = jax.jit(lambda m, t: m(t))(model, tokens)
     cache = model.init_cache(2, 16)
-    _, cache = model.forward_cached(tokens[:, :8], cache, jnp.zeros(2, jnp.int32), prefill=True)
+    fwd = jax.jit(lambda m, t, c, p, prefill: m.forward_cached(t, c, p, prefill=prefill),
+                  static_argnames="prefill")
+    _, cache = fwd(model, tokens[:, :8], cache, jnp.zeros(2, jnp.int32), prefill=True)
     start = jnp.array([5, 8], jnp.int32)  # row 0 rewinds: its later cache entries are stale
     step_tokens = jnp.stack([tokens[0, 5:7], tokens[1, 8:10]])
-    logits, _ = model.forward_cached(step_tokens, cache, start)
+    logits, _ = fwd(model, step_tokens, cache, start, prefill=False)
     np.testing.assert_allclose(logits[0], full[0, 5:7], atol=2e-5)
     np.testing.assert_allclose(logits[1], full[1, 8:10], atol=2e-5)
 
