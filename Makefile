@@ -25,8 +25,9 @@ run: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(PY) -m jaxllm.generate --run runs/tiny --prompt 'def fibonacci(n):\n' \
 		--max-new-tokens 300 --temperature 0.7 --top-p 0.9
 
+# Two worker processes, each taking whole test files (module fixtures are built once).
 test: $(VENV)/.installed-test
-	JAX_PLATFORMS=cpu $(PY) -m pytest tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) runs .cache
