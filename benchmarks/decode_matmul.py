@@ -57,14 +57,15 @@ def step_logits(graphdef, params, cache, token, pos):
 def compare_logits(forms, batch: int, prompt_len: int):
     """One decode step after the same prefill, in both forms: max |logit difference|
     against the spread of the logits (bf16 weights: rounding differs, not the math)."""
-    from jaxllm.inference.decode import prefill
+    from jaxllm.inference.decode import decode_steps
 
     rng = np.random.default_rng(batch)
     tokens = jnp.asarray(rng.integers(0, 256, size=(batch, prompt_len)), jnp.int32)
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
     graphdef, params = forms["xla"]
-    cache, tok = prefill(graphdef, params, tokens, lengths, jax.random.key(0),
-                         cache_len=prompt_len + 64, temperature=0.0, top_k=0, top_p=1.0)
+    prefill, _ = decode_steps(graphdef)
+    cache, tok = prefill(params, tokens, lengths, jax.random.key(0), cache_len=prompt_len + 64,
+                         temperature=0.0, top_k=0, top_p=1.0)
     step = jax.jit(step_logits, static_argnums=0)
     want = step(graphdef, params, cache, tok, lengths)
     got = step(*forms["pallas_triton"], cache, tok, lengths)

@@ -5,7 +5,7 @@
         [--timeline N]
 
 Builds the model from the config (random weights: speed does not depend on them), prefills
-a random prompt, compiles `decode.decode_chunk`, then traces one chunk of `--chunk` decode
+a random prompt, compiles `decode.decode_chunk` (as `generate_ids` runs it), then traces one chunk of `--chunk` decode
 steps with `jax.profiler` and reads the trace back (`jax.profiler.ProfileData`). Printed:
 wall time per step, the summed kernel time per step (GPU busy time), kernel launches per
 step, the kernels that take the most time, grouped by HLO op or kernel name, and the idle
@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import load_config
-from jaxllm.inference.decode import decode_chunk, inference_params, prefill
+from jaxllm.inference.decode import decode_steps, inference_params
 from jaxllm.model import build_model
 
 
@@ -97,22 +97,23 @@ def main(argv=None):
     lengths = jnp.full((b,), plen, jnp.int32)
     cache_len = -(-(plen + 4 * args.chunk) // 64) * 64
     opts = dict(temperature=0.0, top_k=0, top_p=1.0)
-    cache, tok = prefill(graphdef, params, tokens, lengths, jax.random.key(0),
-                         cache_len=cache_len, **opts)
+    prefill, decode_chunk = decode_steps(graphdef)
+    cache, tok = prefill(params, tokens, lengths, jax.random.key(0), cache_len=cache_len,
+                         **opts)
     state = (cache, tok, lengths, jnp.zeros(b, bool), jax.random.key(1))
     step_opts = dict(opts, eos_id=None, steps=args.chunk)
     for _ in range(2):  # compile, then one warm chunk
-        state = decode_chunk(graphdef, params, *state, **step_opts)[:5]
+        state = decode_chunk(params, *state, **step_opts)[:5]
     jax.block_until_ready(state)
     t0 = time.perf_counter()
-    state = decode_chunk(graphdef, params, *state, **step_opts)[:5]
+    state = decode_chunk(params, *state, **step_opts)[:5]
     jax.block_until_ready(state)
     wall = (time.perf_counter() - t0) / args.chunk
 
-    hlo = decode_chunk.lower(graphdef, params, *state, **step_opts).compile().as_text()
+    hlo = decode_chunk.lower(params, *state, **step_opts).compile().as_text()
     trace_dir = tempfile.mkdtemp(prefix="decode_trace_")
     with jax.profiler.trace(trace_dir):
-        state = decode_chunk(graphdef, params, *state, **step_opts)[:5]
+        state = decode_chunk(params, *state, **step_opts)[:5]
         jax.block_until_ready(state)
     events = kernel_events(trace_dir)
     lines = collections.Counter(line for line, *_ in events)

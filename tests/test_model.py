@@ -1,5 +1,3 @@
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -21,6 +19,14 @@ def _model(*overrides, seed=0):
 
 def _tokens(key, b, s, v=97):
     return jax.random.randint(key, (b, s), 0, v, jnp.int32)
+
+
+# The model's forward and cached step, jitted as decoding runs them (run eagerly, every
+# op would compile on its own).
+_forward = jax.jit(lambda model, tokens: model(tokens))
+_cached = jax.jit(lambda model, tokens, cache, start, prefill=False:
+                  model.forward_cached(tokens, cache, start, prefill=prefill),
+                  static_argnames="prefill")
 
 
 def test_shapes_and_param_count():
@@ -66,7 +72,7 @@ def test_cached_decode_matches_full_forward(kv, form, monkeypatch):
     model = nnx.merge(graphdef, state)
     b, s, prompt = 2, 14, 5
     tokens = _tokens(jax.random.key(kv), b, s)
-    full = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))(state, tokens)
+    full = _forward(model, tokens)
     if form != "stacked":
         model.unstack_layers()
     if form in ("fused", "kernel"):
@@ -75,20 +81,14 @@ def test_cached_decode_matches_full_forward(kv, form, monkeypatch):
         assert model.blocks[0].fused_decode == kernel
     cache = model.init_cache(b, 32)
     assert cache.per_layer == (form != "stacked") and cache.max_len == 32
-    graphdef, state = nnx.split(model)
-
-    @functools.partial(jax.jit, static_argnames="prefill")  # as decoding runs it
-    def step(state, tokens, cache, start, prefill=False):
-        return nnx.merge(graphdef, state).forward_cached(tokens, cache, start, prefill=prefill)
-
-    logits, cache = step(state, tokens[:, :prompt], cache, jnp.zeros(b, jnp.int32),
-                         prefill=True)
+    logits, cache = _cached(model, tokens[:, :prompt], cache, jnp.zeros(b, jnp.int32),
+                            prefill=True)
     got = [logits]
     for t in range(prompt, s - 3):  # one token at a time
-        logits, cache = step(state, tokens[:, t:t + 1], cache, jnp.full(b, t, jnp.int32))
+        logits, cache = _cached(model, tokens[:, t:t + 1], cache, jnp.full(b, t, jnp.int32))
         got.append(logits)
     # then a block of 3 tokens at once (as speculative verification does)
-    logits, cache = step(state, tokens[:, s - 3:], cache, jnp.full(b, s - 3, jnp.int32))
+    logits, cache = _cached(model, tokens[:, s - 3:], cache, jnp.full(b, s - 3, jnp.int32))
     got.append(logits)
     np.testing.assert_allclose(jnp.concatenate(got, 1), full, atol=2e-5, rtol=2e-5)
 
@@ -97,14 +97,12 @@ def test_cached_decode_ragged_rows():
     """Rows at different positions in one batch decode like each row alone."""
     model, _ = _model("model.n_kv_heads=2")
     tokens = _tokens(jax.random.key(5), 2, 12)
-    full = jax.jit(lambda m, t: m(t))(model, tokens)
+    full = _forward(model, tokens)
     cache = model.init_cache(2, 16)
-    fwd = jax.jit(lambda m, t, c, p, prefill: m.forward_cached(t, c, p, prefill=prefill),
-                  static_argnames="prefill")
-    _, cache = fwd(model, tokens[:, :8], cache, jnp.zeros(2, jnp.int32), prefill=True)
+    _, cache = _cached(model, tokens[:, :8], cache, jnp.zeros(2, jnp.int32), prefill=True)
     start = jnp.array([5, 8], jnp.int32)  # row 0 rewinds: its later cache entries are stale
     step_tokens = jnp.stack([tokens[0, 5:7], tokens[1, 8:10]])
-    logits, _ = fwd(model, step_tokens, cache, start, prefill=False)
+    logits, _ = _cached(model, step_tokens, cache, start)
     np.testing.assert_allclose(logits[0], full[0, 5:7], atol=2e-5)
     np.testing.assert_allclose(logits[1], full[1, 8:10], atol=2e-5)
 

@@ -67,11 +67,7 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-_PREFILL_STATIC = ("cache_len", "temperature", "top_k", "top_p")
-_DECODE_STATIC = ("steps", "temperature", "top_k", "top_p", "eos_id")
-
-
-def _prefill(graphdef, params, tokens, lengths, key, *, cache_len, temperature, top_k, top_p):
+def prefill(graphdef, params, tokens, lengths, key, *, cache_len, temperature, top_k, top_p):
     """Prompts (B, P) right-padded, true lengths (B,) -> (cache, first tokens (B,))."""
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(tokens.shape[0], cache_len)
@@ -80,8 +76,8 @@ def _prefill(graphdef, params, tokens, lengths, key, *, cache_len, temperature, 
     return cache, sample(last, key, temperature, top_k, top_p)
 
 
-def _decode_chunk(graphdef, params, cache, token, pos, done, key, *, steps, temperature, top_k,
-                  top_p, eos_id):
+def decode_chunk(graphdef, params, cache, token, pos, done, key, *, steps, temperature, top_k,
+                 top_p, eos_id):
     """`steps` decode steps on the device. token (B,) sits at pos (B,).
 
     Returns (cache, next token, next pos, done, key, emitted (B, steps)); rows already
@@ -103,9 +99,17 @@ def _decode_chunk(graphdef, params, cache, token, pos, done, key, *, steps, temp
     return cache, token, pos, done, key, out.T
 
 
-prefill = jax.jit(_prefill, static_argnames=("graphdef",) + _PREFILL_STATIC)
-decode_chunk = jax.jit(_decode_chunk, static_argnames=("graphdef",) + _DECODE_STATIC,
-                       donate_argnames=("cache",))
+def decode_steps(graphdef):
+    """(prefill, decode_chunk) jitted with `graphdef` bound (`jit_bound`): called as
+    prefill(params, tokens, lengths, key, ...) and decode_chunk(params, cache, ...), the
+    cache donated."""
+    return (jit_bound(prefill, (graphdef,),
+                      static_argnames=("cache_len", "temperature", "top_k", "top_p")),
+            jit_bound(decode_chunk, (graphdef,),
+                      static_argnames=("steps", "temperature", "top_k", "top_p", "eos_id"),
+                      donate_argnames=("cache",)))
+
+
 _BOUND: collections.OrderedDict = collections.OrderedDict()  # (fn, ids) -> (objects, jitted)
 
 
@@ -163,9 +167,7 @@ def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: 
     key = jax.random.key(seed)
     k_prefill, k_decode = jax.random.split(key)
 
-    prefill_fn = jit_bound(_prefill, (graphdef,), static_argnames=_PREFILL_STATIC)
-    chunk_fn = jit_bound(_decode_chunk, (graphdef,), static_argnames=_DECODE_STATIC,
-                         donate_argnames=("cache",))
+    prefill_fn, chunk_fn = decode_steps(graphdef)
     compile_s = 0.0
     if warmup:
         t0 = time.perf_counter()
