@@ -4,9 +4,9 @@ On the CPU the kernels run in JAX's Mosaic GPU simulator, which runs the warpgro
 threads and checks the TMA copies and barriers (every phase observed, no slot reused
 early). Its wgmma takes neither register operands nor transposed shared-memory refs, so
 there the matmuls read their operands and multiply them as arrays; everything else is
-the code that runs on the GPU. The simulator is slow: three small shapes cover causal
-and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 2 and
-D 64 and 128; the forward's schedule options run forward-only on one causal shape. The GPU-only cases run long sequences with the default tiles.
+the code that runs on the GPU. The simulator is slow: four small shapes cover causal
+and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, a single key tile,
+GQA 1 and 2 and D 64 and 128; the forward's schedule options run forward-only on one causal shape. The GPU-only cases run long sequences with the default tiles.
 """
 import functools
 
@@ -70,6 +70,8 @@ CPU_CASES = [
     (1, 100, 70, 1, 1, 128, True),
     # full attention, ragged key tail.
     (1, 70, 120, 1, 1, 64, False),
+    # one key tile: a stream shorter than the ring (every kernel's ring shrinks to it).
+    (1, 40, 50, 2, 1, 64, True),
 ]
 
 
@@ -83,20 +85,32 @@ def test_matches_reference(case):
     _check(*shape, causal=causal, tol=2e-2, block_kv=64)
 
 
-@pytest.mark.parametrize("opts", [dict(overlap_softmax=True),
-                                  dict(early_k_wait=True, sum_before_sync=True)],
-                         ids=["overlap_softmax", "early_k_wait_sum_before_sync"])
-def test_forward_schedule_options(opts):
+@pytest.mark.parametrize("opts, causal, d, skv", [
+    (dict(overlap_softmax=True), True, 64, 128),
+    (dict(early_k_wait=True, sum_before_sync=True), True, 64, 128),
+    # the default full-mask schedule at D = 128 (overlapped, no ping-pong), ragged keys
+    ({}, False, 128, 120)],
+    ids=["overlap_softmax", "early_k_wait_sum_before_sync", "default_full_d128"])
+def test_forward_schedule_options(opts, causal, d, skv):
     # Same arithmetic, other wgmma/barrier order: the simulator checks the ring's barriers
     # (both slabs, a tile only one of them sees, masked and unmasked tiles).
-    b, sq, skv, hq, hkv, d = 1, 128, 128, 1, 1, 64
-    q, k, v, *_ = flash_inputs(3, b, sq, skv, hq, hkv, d, True, jnp.bfloat16)
-    o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=True, block_kv=64, **opts)
+    b, sq, hq, hkv = 1, 128, 1, 1
+    q, k, v, *_ = flash_inputs(3, b, sq, skv, hq, hkv, d, causal, jnp.bfloat16)
+    o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, block_kv=64, **opts)
     with jax.default_matmul_precision("highest"):
         o_ref, lse_ref = reference.flash_attention_with_lse(
-            *(x.astype(jnp.float32) for x in (q, k, v)), causal=True)
+            *(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
     np.testing.assert_allclose(o.astype(jnp.float32), o_ref, atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(lse, lse_ref, atol=2e-2, rtol=2e-2)
+
+
+def test_default_schedule_by_mask():
+    # the tuned table: ping-pong when causal; full attention at D = 128 overlaps instead
+    full = flash_mosaic.default_block_sizes(128, causal=False)
+    assert full.overlap_softmax and not full.schedule_barrier
+    for d, causal in ((128, True), (64, False), (64, True)):
+        bs = flash_mosaic.default_block_sizes(d, causal=causal)
+        assert bs.schedule_barrier and not bs.overlap_softmax, (d, causal)
 
 
 def test_bad_inputs_raise():

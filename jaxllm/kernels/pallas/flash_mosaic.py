@@ -107,6 +107,9 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
     bq, bk, stages = bs.block_q, bs.block_kv, bs.num_stages
     n_wg = 2
     n_qt, n_kv = sq_p // (n_wg * bq), skv_p // bk
+    # A ring deeper than the stream would slice tiles past the keys while tracing the
+    # producer's (never taken) prologue copies.
+    stages = min(stages, n_kv)
     n_kv_full_tail = skv // bk  # key tiles without padded keys
     c = scale * LOG2E
     dtype = q.dtype
@@ -145,25 +148,38 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
             rows = mg.iota((bq, bk), 0, interpret) + (q_base + offset)
 
             def softmax(s, sc, m, masked):
-                """Raw scores of key tile s -> (P in float32, new max m, rescale alpha)."""
-                sc = sc * c  # (bq, bk), log2 units
+                """Raw scores of key tile s -> (P in float32, new max m, rescale alpha).
+
+                m is in log2 units (scores times c). With c > 0 the row max is taken on
+                the raw scores and scaled once per row, so each score is scaled and
+                shifted by one fused multiply-add inside exp2."""
+                fused = c > 0
+                if not fused:
+                    sc = sc * c  # (bq, bk), log2 units
                 if masked:
                     cols = mg.iota((bq, bk), 1, interpret) + s * bk
                     ok = cols < skv
                     if causal:
                         ok = ok & (cols <= rows)
                     sc = jnp.where(ok, sc, -jnp.inf)
-                m_new = jnp.maximum(m, sc.max(axis=1))
+                m_new = jnp.maximum(m, sc.max(axis=1) * c if fused else sc.max(axis=1))
                 # Rows with every key masked so far keep m = -inf: shift by 0, not -inf.
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
                 alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(sc - mg.bcast_rows(m_use, sc.shape))
+                if fused:
+                    p = jnp.exp2(sc * c - mg.bcast_rows(m_use, sc.shape))
+                else:
+                    p = jnp.exp2(sc - mg.bcast_rows(m_use, sc.shape))
                 return p, m_new, alpha
+
+            # The bound of the early K wait, traced (causal) or a Python int: a concrete
+            # array closed over by the wgmma's `during` region fails to lower (jax 0.11).
+            k_wait_limit = my_steps if causal else n_kv
 
             def wait_next_k(s):
                 if bs.early_k_wait:
                     nxt = s + 1
-                    pl.when(nxt < my_steps)(
+                    pl.when(nxt < k_wait_limit)(
                         lambda: plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(stages))]))
 
             def step(s, carry, masked):
@@ -265,7 +281,7 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
                      mg.layout(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout, interpret),
                      mg.layout(jnp.zeros((bq,), jnp.float32), row_layout, interpret))
             if bs.early_k_wait and not bs.overlap_softmax:
-                pl.when(my_steps > 0)(lambda: plgpu.barrier_wait(k_bar.at[0]))
+                pl.when(k_wait_limit > 0)(lambda: plgpu.barrier_wait(k_bar.at[0]))
             pl.when(wg == 1)(sync)
             if bs.overlap_softmax:
                 if causal:  # a slab that sees no key (Sq > Skv) skips the pipeline
@@ -385,17 +401,23 @@ def unsupported_reason(q, k, v) -> str | None:
     return None
 
 
-def default_block_sizes(head_dim: int) -> BlockSizes:
+def default_block_sizes(head_dim: int, causal: bool = True) -> BlockSizes:
     """Tiles that fit Hopper's 227 KiB of shared memory a CTA. At D = 256 the forward
     streams 64-key tiles (Q 64 KiB + a 2-stage K/V ring 128 KiB) and the backward runs
-    one compute warpgroup a CTA (its owned tiles 64 KiB + the streamed ring 128 KiB)."""
+    one compute warpgroup a CTA (its owned tiles 64 KiB + the streamed ring 128 KiB).
+
+    Forward schedule, measured on the H200 (docs/benchmarks.md): causal attention runs
+    the two warpgroups in ping-pong; full attention at D = 128 runs the FA3 intra-
+    warpgroup overlap without the ping-pong (5-10% faster there, slower when causal)."""
     if head_dim >= 256:
         return BlockSizes(block_kv=64, compute_wgs_bwd=1)
+    if not causal and head_dim == 128:
+        return BlockSizes(overlap_softmax=True, schedule_barrier=False)
     return BlockSizes()
 
 
-def _block_sizes(head_dim: int, kwargs: dict) -> BlockSizes:
-    bs = kwargs.pop("block_sizes", None) or default_block_sizes(head_dim)
+def _block_sizes(head_dim: int, kwargs: dict, causal: bool = True) -> BlockSizes:
+    bs = kwargs.pop("block_sizes", None) or default_block_sizes(head_dim, causal)
     if not isinstance(bs, BlockSizes):
         raise ValueError(f"block_sizes must be a flash_mosaic.BlockSizes; got {type(bs).__name__}")
     names = {f.name for f in dataclasses.fields(BlockSizes)}
@@ -423,7 +445,7 @@ def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | 
     if why:
         raise ValueError(why)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    bs = _block_sizes(q.shape[-1], dict(kwargs))
+    bs = _block_sizes(q.shape[-1], dict(kwargs), bool(causal))
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     return _flash(q, k, v, bool(causal), scale, bs, bool(interpret))

@@ -29,6 +29,7 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
     group = hq // hkv
     bq, bk, stages, n_wg = bs.block_q_dq, bs.block_kv_dq, bs.num_stages_bwd, bs.compute_wgs_bwd
     n_qt, n_kv = sq_p // (n_wg * bq), skv_p // bk
+    stages = min(stages, n_kv)  # as in the forward: no ring deeper than the stream
     c = scale * LOG2E
     dtype = q.dtype
     sim = interpret
