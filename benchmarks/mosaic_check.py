@@ -7,17 +7,22 @@ full. Correctness: max abs error of o and of dq, dk, dv (for a random cotangent)
 (8 query heads) at full sequence length, so the reference fits in memory. Throughput
 follows benchmarks/attention.py: FLOPs = 4 B Hq Sq Skv D, halved when causal; fwd+bwd
 counts 3.5x that; time = median over batches of back-to-back jitted calls, synchronised
-with block_until_ready, after a warm-up call. Every implementation and variant runs in
+with block_until_ready, after a warm-up call. Timing runs in `--rounds` interleaved
+rounds (every implementation once a round, the order reversed every other round); the
+table gives the median TFLOP/s and the median of the per-round ratios to cuDNN, which
+is steadier than a ratio of two separate timings. Every implementation and variant runs in
 its own try/except: a failure prints its first 40 lines and the script goes on. A
 markdown table comes last.
 
   PYTHONPATH=. python3 benchmarks/mosaic_check.py [--quick | --headline]
+      [--variants "mosaic,mosaic pingpong"] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import itertools
+import statistics
 import traceback
 
 import jax
@@ -28,22 +33,24 @@ from jaxllm.kernels import flash_attention, reference
 
 HQ, HKV = 32, 8
 SHAPES = [(4, 4096, 128), (16, 1024, 64)]  # (B, S, D)
-VARIANTS = {  # name -> pallas_mosaic options
+PINGPONG = dict(overlap_softmax=False, schedule_barrier=True)
+VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask and D)
     "mosaic": {},
     "mosaic bk64 st3": dict(block_kv=64, num_stages=3),
-    "mosaic no-pingpong": dict(schedule_barrier=False),
+    "mosaic no-pingpong": dict(overlap_softmax=False, schedule_barrier=False),
     "mosaic bwd 1wg st3": dict(compute_wgs_bwd=1, num_stages_bwd=3),
     # forward schedule options (BlockSizes docstring); the backward is the default one
-    "mosaic early-k": dict(early_k_wait=True),
-    "mosaic early-k sum": dict(early_k_wait=True, sum_before_sync=True),
-    "mosaic overlap": dict(overlap_softmax=True),
+    "mosaic pingpong": PINGPONG,
+    "mosaic early-k": dict(PINGPONG, early_k_wait=True),
+    "mosaic early-k sum": dict(PINGPONG, early_k_wait=True, sum_before_sync=True),
+    "mosaic overlap": dict(overlap_softmax=True, schedule_barrier=True),
     "mosaic overlap no-pingpong": dict(overlap_softmax=True, schedule_barrier=False),
-    "mosaic bq128 bk64": dict(block_q=128, block_kv=64),
+    "mosaic bq128 bk64": dict(PINGPONG, block_q=128, block_kv=64),
 }
 # --headline: B=4 S=4096 D=128 only, cuDNN and the variants not skipped here (no
 # pallas_triton); the default and the new forward schedules also get a correctness check.
 HEADLINE_SKIP = ("mosaic bk64 st3", "mosaic bwd 1wg st3")
-HEADLINE_CHECK = ("mosaic early-k", "mosaic early-k sum", "mosaic overlap",
+HEADLINE_CHECK = ("mosaic pingpong", "mosaic early-k", "mosaic early-k sum", "mosaic overlap",
                   "mosaic overlap no-pingpong", "mosaic bq128 bk64")
 
 
@@ -76,19 +83,40 @@ def check(q, k, v, do, causal, opts):
     return errs
 
 
-def bench(fn, q, k, v, do, causal, flops):
+def compile_pair(fn, q, k, v, do, causal):
+    """(forward, forward+backward) jitted and run once (compiled, warmed up)."""
     f = jax.jit(functools.partial(fn, causal=causal))
 
     def loss(q, k, v, do):
         return jnp.vdot(f(q, k, v).astype(jnp.float32), do.astype(jnp.float32))
 
     g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    row = {}
-    t = time_fn(f, q, k, v)
-    row["fwd"] = flops / t / 1e12
-    t = time_fn(g, q, k, v, do)
-    row["fwdbwd"] = 3.5 * flops / t / 1e12
-    return row
+    jax.block_until_ready(f(q, k, v))
+    jax.block_until_ready(g(q, k, v, do))
+    return f, g
+
+
+def bench_rounds(pairs, q, k, v, do, flops, rounds):
+    """name -> {fwd, fwdbwd: median TFLOP/s, x_fwd, x_fwdbwd: median per-round ratio to
+    cuDNN}. Every round times every implementation once, in alternating order, so slow
+    and fast spells of the device fall on all of them alike."""
+    samples = {n: {"fwd": [], "fwdbwd": []} for n in pairs}
+    names = list(pairs)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            f, g = pairs[name]
+            samples[name]["fwd"].append(flops / time_fn(f, q, k, v, batches=3) / 1e12)
+            samples[name]["fwdbwd"].append(
+                3.5 * flops / time_fn(g, q, k, v, do, batches=3) / 1e12)
+    out = {}
+    for name, sm in samples.items():
+        row = {key: statistics.median(xs) for key, xs in sm.items()}
+        if "cudnn" in samples:
+            for key, xs in sm.items():
+                row["x_" + key] = statistics.median(
+                    a / c for a, c in zip(xs, samples["cudnn"][key]))
+        out[name] = row
+    return out
 
 
 def main():
@@ -96,12 +124,22 @@ def main():
     ap.add_argument("--quick", action="store_true", help="headline shape and default tiles only")
     ap.add_argument("--headline", action="store_true",
                     help="headline shape, cuDNN and the mosaic variants (each checked)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved timing rounds; figures are medians over rounds")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated names from VARIANTS to run (default: all)")
     args = ap.parse_args()
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     shapes = SHAPES[:1] if args.quick or args.headline else SHAPES
     variants = dict(list(VARIANTS.items())[:1]) if args.quick else VARIANTS
     if args.headline:
         variants = {n: o for n, o in VARIANTS.items() if n not in HEADLINE_SKIP}
+    if args.variants:
+        names = [n.strip() for n in args.variants.split(",") if n.strip()]
+        unknown = [n for n in names if n not in VARIANTS]
+        if unknown:
+            raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        variants = {n: VARIANTS[n] for n in names}
     # correctness: the default, plus (--headline) every variant with its own forward
     checked = {n: o for n, o in variants.items()
                if n == "mosaic" or (args.headline and n in HEADLINE_CHECK)}
@@ -127,14 +165,19 @@ def main():
             impls["pallas_triton"] = functools.partial(flash_attention, impl="pallas_triton")
         for name, opts in variants.items():
             impls[name] = functools.partial(flash_attention, impl="pallas_mosaic", **opts)
+        pairs, failed = {}, {}
         for name, fn in impls.items():
-            row = dict(b=b, s=s, d=d, mask=mask, impl=name)
             try:
-                row.update(bench(fn, q, k, v, do, causal, flops))
+                pairs[name] = compile_pair(fn, q, k, v, do, causal)
             except Exception as e:  # noqa: BLE001
                 report_error(f"{name} B={b} S={s} D={d} {mask}", e)
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}" if str(e) \
+                failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}" if str(e) \
                     else type(e).__name__
+        timed = bench_rounds(pairs, q, k, v, do, flops, args.rounds)
+        for name in impls:
+            row = dict(b=b, s=s, d=d, mask=mask, impl=name, **timed.get(name, {}))
+            if name in failed:
+                row["error"] = failed[name]
             print(row, flush=True)
             rows.append(row)
 
@@ -145,17 +188,15 @@ def main():
         print(f"| {b} | {s} | {d} | {mask} | {name} | {e['o']:.3g} | {e['dq']:.3g} | "
               f"{e['dk']:.3g} | {e['dv']:.3g} | {e['dq_scale']:.3g} | {e['dk_scale']:.3g} | "
               f"{e['dv_scale']:.3g} |")
-    print(f"\n## throughput (TFLOP/s, Hq={HQ} Hkv={HKV} bf16; x = ratio to cuDNN in this run)\n")
+    print(f"\n## throughput (TFLOP/s, Hq={HQ} Hkv={HKV} bf16; x = median per-round ratio to cuDNN)\n")
     print("| B | S | D | mask | impl | fwd | x cuDNN | fwd+bwd | x cuDNN | note |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    cudnn = {(r["s"], r["d"], r["mask"]): r for r in rows if r["impl"] == "cudnn"}
     for r in rows:
-        c = cudnn.get((r["s"], r["d"], r["mask"]), {})
         cells = []
         for key in ("fwd", "fwdbwd"):
-            val = r.get(key)
+            val, x = r.get(key), r.get("x_" + key)
             cells.append(f"{val:.1f}" if val else "-")
-            cells.append(f"{val / c[key]:.2f}" if val and c.get(key) else "-")
+            cells.append(f"{x:.2f}" if x else "-")
         print(f"| {r['b']} | {r['s']} | {r['d']} | {r['mask']} | {r['impl']} | "
               f"{' | '.join(cells)} | {r.get('error', '')} |")
 
