@@ -49,6 +49,9 @@ from jaxllm.kernels.pallas.flash_mosaic_bwd import dkdv_kernel, dq_kernel
 from jaxllm.kernels.pallas.mosaic_common import LN2, LOG2E
 
 HEAD_DIMS = (64, 128, 256)
+# Registers a thread of the forward's compute / producer warpgroups (2 x 128 compute
+# threads and 128 producer threads must fit the SM's 64K registers).
+FWD_REGISTERS = (232, 40)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -133,7 +136,7 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
 
         @pl.when(wg < n_wg)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(FWD_REGISTERS[0], action="increase")
             q_base = tile_base + wg * bq
             if causal:
                 my_steps = jnp.minimum(mg.cdiv_nonneg(q_base + bq + offset, bk), n_steps)
@@ -310,7 +313,7 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
 
         @pl.when(wg == n_wg)
         def _produce_kv():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(FWD_REGISTERS[1], action="decrease")
             kv_h = lax.div(h, jnp.int32(group))
             tile = lambda ref: lambda s: ref.at[bi, pl.ds(s * bk, bk), kv_h]
             mg.produce(n_steps, stages, [(k_bar, k_free, [(tile(k_ref), k_smem)]),

@@ -21,6 +21,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxllm.kernels.pallas import mosaic_common as mg
 from jaxllm.kernels.pallas.mosaic_common import LOG2E
 
+# Registers a thread of the compute / producer warpgroups, by compute warpgroups a CTA.
+BWD_REGISTERS = {2: (240, 24), 1: (240, 40)}
+
 
 def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, interpret):
     """dQ [B, Sq_p, Hq, D]: each warpgroup owns block_q_dq query rows, K/V tiles stream."""
@@ -49,7 +52,7 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
 
         @pl.when(wg < n_wg)
         def _compute():
-            plgpu.set_max_registers(232 if n_wg == 2 else 240, action="increase")
+            plgpu.set_max_registers(BWD_REGISTERS[n_wg][0], action="increase")
             q_base = tile_base + wg * bq
             if causal:
                 my_steps = jnp.minimum(mg.cdiv_nonneg(q_base + bq + offset, bk), n_steps)
@@ -106,7 +109,7 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
 
         @pl.when(wg == n_wg)
         def _produce_kv():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(BWD_REGISTERS[n_wg][1], action="decrease")
             kv_h = lax.div(h, jnp.int32(group))
             tile = lambda ref: lambda s: ref.at[bi, pl.ds(s * bk, bk), kv_h]
             mg.produce(n_steps, stages, [(k_bar, k_free, [(tile(k_ref), k_smem)]),
@@ -159,7 +162,7 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
 
         @pl.when(wg < n_wg)
         def _compute():
-            plgpu.set_max_registers(232 if n_wg == 2 else 240, action="increase")
+            plgpu.set_max_registers(BWD_REGISTERS[n_wg][0], action="increase")
             kv_base = tile_base + wg * bk
             keys = pl.ds(kv_base, bk)
             if causal:
@@ -217,7 +220,7 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
 
         @pl.when(wg == n_wg)
         def _produce_q():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(BWD_REGISTERS[n_wg][1], action="decrease")
 
             def where(s):
                 g = lax.div(s, n_t)
