@@ -4,9 +4,9 @@ On the CPU the kernels run in JAX's Mosaic GPU simulator, which runs the warpgro
 threads and checks the TMA copies and barriers (every phase observed, no slot reused
 early). Its wgmma takes neither register operands nor transposed shared-memory refs, so
 there the matmuls read their operands and multiply them as arrays; everything else is
-the code that runs on the GPU. The simulator is slow: four small shapes cover causal
-and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, a single key tile,
-GQA 1 and 2 and D 64 and 128; the forward's schedule options run forward-only on one causal shape. The GPU-only cases run long sequences with the default tiles.
+the code that runs on the GPU. The simulator is slow: three small shapes cover causal
+and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 2 and
+D 64 and 128; the forward's schedule options run forward-only on one causal shape. The GPU-only cases run long sequences with the default tiles.
 """
 import functools
 
@@ -70,8 +70,6 @@ CPU_CASES = [
     (1, 100, 70, 1, 1, 128, True),
     # full attention, ragged key tail.
     (1, 70, 120, 1, 1, 64, False),
-    # one key tile: a stream shorter than the ring (every kernel's ring shrinks to it).
-    (1, 40, 50, 2, 1, 64, True),
 ]
 
 
@@ -85,18 +83,21 @@ def test_matches_reference(case):
     _check(*shape, causal=causal, tol=2e-2, block_kv=64)
 
 
-@pytest.mark.parametrize("opts, causal, d, skv", [
-    (dict(overlap_softmax=True), True, 64, 128),
-    (dict(early_k_wait=True, sum_before_sync=True), True, 64, 128),
+@pytest.mark.parametrize("opts, causal, d, sq, skv", [
+    (dict(overlap_softmax=True, block_kv=64), True, 64, 128, 128),
+    (dict(early_k_wait=True, sum_before_sync=True, block_kv=64), True, 64, 128, 128),
     # the default full-mask schedule at D = 128 (overlapped, no ping-pong), ragged keys
-    ({}, False, 128, 120)],
-    ids=["overlap_softmax", "early_k_wait_sum_before_sync", "default_full_d128"])
-def test_forward_schedule_options(opts, causal, d, skv):
+    (dict(block_kv=64), False, 128, 128, 120),
+    # the default 128-key tiles over 100 keys: one tile, a stream shorter than the ring
+    ({}, True, 128, 64, 100)],
+    ids=["overlap_softmax", "early_k_wait_sum_before_sync", "default_full_d128",
+         "one_key_tile"])
+def test_forward_schedule_options(opts, causal, d, sq, skv):
     # Same arithmetic, other wgmma/barrier order: the simulator checks the ring's barriers
     # (both slabs, a tile only one of them sees, masked and unmasked tiles).
-    b, sq, hq, hkv = 1, 128, 1, 1
+    b, hq, hkv = 1, 1, 1
     q, k, v, *_ = flash_inputs(3, b, sq, skv, hq, hkv, d, causal, jnp.bfloat16)
-    o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, block_kv=64, **opts)
+    o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, **opts)
     with jax.default_matmul_precision("highest"):
         o_ref, lse_ref = reference.flash_attention_with_lse(
             *(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)

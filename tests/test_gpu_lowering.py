@@ -1,4 +1,4 @@
-"""The Triton-lowered Pallas kernels lower for the GPU (to Triton IR, then StableHLO) on any
+"""The Pallas kernels lower for the GPU (Triton: to Triton IR, then StableHLO; Mosaic GPU) on any
 machine: the CPU tests run the kernels in the interpreter, which never sees the Triton
 lowering rules, so a kernel can pass them and still fail to lower on a GPU (a fori_loop
 index taken modulo with jnp's `%`, for one). Compiling and running stay GPU-only."""
@@ -61,3 +61,22 @@ def test_flash_triton_forward_and_backward_lower():
         return flash_triton.flash_attention(q, k, v, causal=True, interpret=False).sum()
     _lowers(jax.grad(loss, argnums=(0, 1, 2)), ((1, 128, 4, 64), BF16),
             ((1, 128, 2, 64), BF16), ((1, 128, 2, 64), BF16))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("d,skv,opts", [
+    (128, 384, {}),  # full attention here takes the overlapped schedule
+    (64, 384, {}),
+    (128, 100, {}),  # one 128-key tile: the forward's ring shrinks to its stream
+    (128, 384, dict(early_k_wait=True, sum_before_sync=True))],
+    ids=["d128", "d64", "one_key_tile", "early_k_wait"])
+def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
+    # Mosaic GPU lowers on any machine too; the simulator the CPU tests use never sees the
+    # wgmma/TMA lowering.
+    from jaxllm.kernels.pallas import flash_mosaic
+
+    def loss(q, k, v):
+        return flash_mosaic.flash_attention(q, k, v, causal=causal, interpret=False,
+                                            **opts).astype(jnp.float32).sum()
+    _lowers(jax.grad(loss, argnums=(0, 1, 2)), ((1, 256, 4, d), BF16),
+            ((1, skv, 2, d), BF16), ((1, skv, 2, d), BF16))
