@@ -9,10 +9,13 @@ accumulators in registers. Each compute warpgroup owns a 64-row (by default) sla
 the CTA's tile; all compute warpgroups of a CTA consume the same stream.
 
   forward   grid (q tiles, Hq, B); 2 compute warpgroups x block_q rows. Streams K and V
-            tiles; S = Q K^T, online softmax in base 2 (scores pre-multiplied by
-            scale * log2 e; running max m and sum l in float32), O += P V. The two
-            warpgroups ping-pong on a schedule barrier so one's softmax overlaps the
-            other's matmuls. Writes O and LSE = (m + log2 l) * ln 2 only.
+            tiles; S = Q K^T, online softmax in base 2 (scores scaled by
+            scale * log2 e inside the exponent's multiply-add; running max m and sum l
+            in float32), O += P V. By default (see default_block_sizes) causal
+            attention ping-pongs the two warpgroups on a schedule barrier, so one's
+            softmax overlaps the other's matmuls; full attention at D = 128 instead
+            overlaps each warpgroup's softmax with its own next QK^T and current PV
+            (FA3's intra-warpgroup pipelining). Writes O and LSE = (m + log2 l) * ln 2.
   dq        grid (q tiles, Hq, B); streams K, V; dS = P (dO V^T - delta), dQ += dS K.
   dk, dv    grid (kv tiles, Hkv, B); streams Q, dO, LSE, delta of every query head of
             the GQA group in turn (so K/V are never repeated and dk/dv are summed over
