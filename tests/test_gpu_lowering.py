@@ -67,9 +67,10 @@ def test_flash_triton_forward_and_backward_lower():
 @pytest.mark.parametrize("d,skv,opts", [
     (128, 384, {}),  # full attention here takes the overlapped schedule
     (64, 384, {}),
+    (256, 384, {}),  # 64-key tiles, one compute warpgroup in the backward
     (128, 100, {}),  # one 128-key tile: the forward's ring shrinks to its stream
     (128, 384, dict(early_k_wait=True, sum_before_sync=True))],
-    ids=["d128", "d64", "one_key_tile", "early_k_wait"])
+    ids=["d128", "d64", "d256", "one_key_tile", "early_k_wait"])
 def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
     # Mosaic GPU lowers on any machine too; the simulator the CPU tests use never sees the
     # wgmma/TMA lowering.
