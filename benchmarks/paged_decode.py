@@ -10,12 +10,15 @@ own Pallas paged_attention (same page layout and tables), cuDNN and XLA einsum a
 on a contiguous cache [B, ctx, Hkv, D] (q of length 1), and the device's copy and read
 bandwidth. Pages are scattered (a random permutation of the pool). Each timing is the
 median over repetitions of one executable that runs `unroll` calls back to back on
-rotating inputs (>= ~300 MB in rotation, well past the 60 MB L2), divided by `unroll`.
+rotating inputs (>= ~300 MB in rotation, well past the 60 MB L2), divided by `unroll`;
+the implementations of a shape are timed in `--rounds` interleaved rounds, and each
+figure is the median over rounds (the ratio to cuDNN: the median per-round ratio).
 The script first checks every implementation against the jnp reference.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -39,8 +42,9 @@ SCALE = D**-0.5
 # timing
 
 
-def bench(impl, slot, est_bytes, iters=5):
-    """Median seconds per call of impl(*slot(u)), u = 0..unroll-1 in one executable.
+def timer(impl, slot, est_bytes, iters=5):
+    """A function timing impl(*slot(u)), u = 0..unroll-1, in one executable (compiled and
+    warmed up here): each call returns the median seconds per call over `iters` runs.
 
     Every call gets its own operands (at least its own query array), so XLA cannot merge
     identical calls; `unroll` makes one executable run for ~3 ms so that dispatch and
@@ -51,12 +55,20 @@ def bench(impl, slot, est_bytes, iters=5):
     sets = [slot(u) for u in range(unroll)]
     run = jax.jit(lambda sets: [impl(*s) for s in sets])
     jax.block_until_ready(run(sets))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(sets))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / unroll
+
+    def once():
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(sets))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) / unroll
+    return once
+
+
+def bench(impl, slot, est_bytes, iters=5):
+    """Median seconds per call of impl(*slot(u)) (see `timer`)."""
+    return timer(impl, slot, est_bytes, iters)()
 
 
 def device_bandwidth():
@@ -191,45 +203,69 @@ def check_correctness():
 
 
 def measure_shape(b, ctx, pages, contiguous_cache, impls=("ours", "jax", "cudnn", "xla"),
-                  configs=None, ragged=False):
-    """Rows of {impl, page, TB/s} for one (B, ctx)."""
+                  configs=None, ragged=False, rounds=3):
+    """Rows of {impl, page, TB/s, x_cudnn} for one (B, ctx).
+
+    Every implementation is compiled first, then timed once a round for `rounds` rounds
+    (the order reversed every other round), so slow and fast spells of the device fall on
+    all of them alike: the row's time is the median over rounds, and `x_cudnn` the median
+    of the per-round bandwidth ratios to cuDNN on the contiguous cache (when it ran)."""
     key = jax.random.key(b * 7919 + ctx)
     lengths = jnp.full((b,), ctx, jnp.int32)
     if ragged:
         lengths = jnp.asarray(np.random.default_rng(b).integers(1, ctx + 1, b), jnp.int32)
     kv_bytes = int(lengths.sum()) * HKV * D * 2 * jnp.dtype(DTYPE).itemsize
     n_rot = rotations(kv_bytes)
-    rows = []
-
-    def record(name, page, fn, sets, cfg=None):
-        try:
-            t = bench(fn, sets, kv_bytes)
-            rows.append(dict(impl=name, B=b, ctx=ctx, page=page, cfg=cfg, us=t * 1e6,
-                             tbps=kv_bytes / t / 1e12, ragged=ragged))
-            print(f"  B={b:4d} ctx={ctx:6d} page={page:3d} {name:28s} {t * 1e6:9.1f} us "
-                  f"{kv_bytes / t / 1e12:6.3f} TB/s", flush=True)
-        except Exception as e:  # one failing variant must not sink the run
-            print(f"  B={b} ctx={ctx} page={page} {name}: FAILED {type(e).__name__}: "
-                  f"{str(e)[:300]}", flush=True)
-
+    jobs = []  # (name, page, cfg, fn, slot)
     if not ragged and ({"cudnn", "xla"} & set(impls)):
         if contiguous_cache.get((b, ctx)) is None:
             contiguous_cache.clear()
             contiguous_cache[(b, ctx)] = make_contiguous(key, b, ctx, n_rot)
         csets = contiguous_cache[(b, ctx)]
         if "cudnn" in impls:
-            record("cudnn contiguous", 0, cudnn, csets)
+            jobs.append(("cudnn contiguous", 0, None, cudnn, csets))
         if "xla" in impls:
-            record("xla contiguous", 0, xla, csets)
-    for page in pages:
-        sets = make_paged(key, b, ctx, page, lengths, n_rot)
+            jobs.append(("xla contiguous", 0, None, xla, csets))
+    page_sets = {page: make_paged(key, b, ctx, page, lengths, n_rot) for page in pages}
+    for page, sets in page_sets.items():
         if "ours" in impls:
-            record("ours", page, ours(), sets)
+            jobs.append(("ours", page, None, ours(), sets))
         for cfg in configs or []:
-            record(f"ours {cfg}", page, ours(**cfg), sets, cfg)
+            jobs.append((f"ours {cfg}", page, cfg, ours(**cfg), sets))
         if "jax" in impls:
-            record("jax pallas paged", page, jax_paged(-(-ctx // page)), sets)
-        del sets
+            jobs.append(("jax pallas paged", page, None, jax_paged(-(-ctx // page)), sets))
+
+    def failed(name, page, e):  # one failing variant must not sink the run
+        print(f"  B={b} ctx={ctx} page={page} {name}: FAILED {type(e).__name__}: "
+              f"{str(e)[:300]}", flush=True)
+
+    timers = {}
+    for name, page, cfg, fn, slot in jobs:
+        try:
+            timers[(name, page)] = (cfg, timer(fn, slot, kv_bytes))
+        except Exception as e:  # noqa: BLE001
+            failed(name, page, e)
+    samples = {k: [] for k in timers}
+    order = list(timers)
+    for r in range(rounds):
+        for k in order if r % 2 == 0 else order[::-1]:
+            if k in samples:
+                try:
+                    samples[k].append(timers[k][1]())
+                except Exception as e:  # noqa: BLE001
+                    failed(*k, e)
+                    del samples[k]
+    ref = samples.get(("cudnn contiguous", 0))
+    rows = []
+    for (name, page), ts in samples.items():
+        t = statistics.median(ts)
+        x = statistics.median(c / o for c, o in zip(ref, ts)) if ref else None
+        rows.append(dict(impl=name, B=b, ctx=ctx, page=page, cfg=timers[(name, page)][0],
+                         us=t * 1e6, tbps=kv_bytes / t / 1e12, x_cudnn=x, ragged=ragged))
+        print(f"  B={b:4d} ctx={ctx:6d} page={page:3d} {name:28s} {t * 1e6:9.1f} us "
+              f"{kv_bytes / t / 1e12:6.3f} TB/s" + (f"  x{x:.3f} cuDNN" if x else ""),
+              flush=True)
+    del page_sets
     return rows
 
 
@@ -249,8 +285,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="headline shape only")
     ap.add_argument("--sweep", action="store_true", help="also sweep kernel configurations")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved timing rounds per shape (medians over rounds)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    measure = functools.partial(measure_shape, rounds=args.rounds)
     dev = jax.devices()[0]
     print(f"device {dev.device_kind}, jax {jax.__version__}, SMs {getattr(dev, 'core_count', '?')}",
           flush=True)
@@ -262,25 +301,25 @@ def main():
           f"{read_bw / 1e12:.3f} TB/s", flush=True)
     rows, cc = [], {}
     if args.sweep:  # kernel configurations at the headline shape; splits at B=8 and 128
-        rows += measure_shape(32, 4096, [16], cc, impls=("ours",), configs=SWEEP)
-        rows += measure_shape(8, 4096, [16], cc, impls=("ours",),
+        rows += measure(32, 4096, [16], cc, impls=("ours",), configs=SWEEP)
+        rows += measure(8, 4096, [16], cc, impls=("ours",),
                               configs=[dict(num_splits=s) for s in (4, 8, 16)])
-        rows += measure_shape(128, 4096, [16], cc, impls=("ours",),
+        rows += measure(128, 4096, [16], cc, impls=("ours",),
                               configs=[dict(num_splits=s) for s in (1, 2)])
-    rows += measure_shape(32, 4096, [16], cc, impls=("ours", "jax"), ragged=True)
+    rows += measure(32, 4096, [16], cc, impls=("ours", "jax"), ragged=True)
     if args.quick:
-        rows += measure_shape(32, 4096, [16], cc, configs=[dict(merge="xla")])
-        rows += measure_shape(8, 4096, [16], cc, impls=("ours", "cudnn"),
+        rows += measure(32, 4096, [16], cc, configs=[dict(merge="xla")])
+        rows += measure(8, 4096, [16], cc, impls=("ours", "cudnn"),
                               configs=[dict(merge="xla")])
     else:
         free = dev.memory_stats().get("bytes_limit", 140e9) if hasattr(dev, "memory_stats") else 140e9
         for ctx in (512, 4096, 32768):
             for b in (1, 8, 32, 128):
-                need = 2.6 * b * ctx * HKV * D * 2 * 2  # paged pool + contiguous cache, margin
+                need = 3.6 * b * ctx * HKV * D * 2 * 2  # two paged pools + contiguous cache, margin
                 if need > 0.9 * free:
                     print(f"  skip B={b} ctx={ctx}: needs ~{need / 1e9:.0f} GB", flush=True)
                     continue
-                rows += measure_shape(b, ctx, [16, 64], cc, impls=("ours", "jax", "cudnn"))
+                rows += measure(b, ctx, [16, 64], cc, impls=("ours", "jax", "cudnn"))
     cc.clear()
     summary = dict(device=dev.device_kind, jax=jax.__version__, correctness_ok=ok,
                    copy_tbps=copy_bw / 1e12, read_tbps=read_bw / 1e12, rows=rows,
@@ -299,17 +338,19 @@ def print_table(rows):
         if r["cfg"] is None and not r["ragged"]:
             by.setdefault((r["B"], r["ctx"]), []).append(r)
     print("\n| B | ctx | page | ours TB/s | JAX Pallas paged TB/s | cuDNN contig. | XLA contig. "
-          "| ours / best contiguous |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| ours / best contiguous | ours / cuDNN, per round |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    f = lambda x: f"{x:.2f}" if x else "-"  # noqa: E731
     for (b, ctx), rs in sorted(by.items()):
-        get = {(r["impl"], r["page"]): r["tbps"] for r in rs}
-        contig = [get.get(("cudnn contiguous", 0)), get.get(("xla contiguous", 0))]
+        get = {(r["impl"], r["page"]): r for r in rs}
+        tb = {k: r["tbps"] for k, r in get.items()}
+        contig = [tb.get(("cudnn contiguous", 0)), tb.get(("xla contiguous", 0))]
         best = max([c for c in contig if c] or [float("nan")])
         for page in sorted({r["page"] for r in rs if r["page"]}):
-            o, j = get.get(("ours", page)), get.get(("jax pallas paged", page))
-            f = lambda x: f"{x:.2f}" if x else "-"  # noqa: E731
+            o, j = tb.get(("ours", page)), tb.get(("jax pallas paged", page))
+            x = get[("ours", page)].get("x_cudnn") if o else None
             print(f"| {b} | {ctx} | {page} | {f(o)} | {f(j)} | {f(contig[0])} | {f(contig[1])} "
-                  f"| {o / best:.2f} |" if o else f"| {b} | {ctx} | {page} | - | {f(j)} | - | - | - |")
+                  f"| {f(o / best if o else None)} | {f(x)} |")
 
 
 if __name__ == "__main__":
