@@ -8,7 +8,9 @@ the repeat), and plain XLA einsums (jaxllm's "xla" impl).
 Shapes: B * S = 16384 tokens, S in {1024, 4096, 16384}, Hq = 32, Hkv in {32, 8},
 D in {64, 128}, causal and full, bf16. FLOPs = 4 B Hq Sq Skv D (halved when causal);
 fwd+bwd counts 3.5x. Times are medians of batches of back-to-back calls, synchronised
-with block_until_ready. `rel_err` is ||o - o_ref|| / ||o_ref|| of the forward output
+with block_until_ready; the implementations of a shape are timed in `--rounds`
+interleaved rounds, and each figure is the median over rounds (the ratio to cuDNN: the
+median per-round ratio). `rel_err` is ||o - o_ref|| / ||o_ref|| of the forward output
 against the float32 reference on a subset of heads.
 
   python benchmarks/attention.py            # every shape
@@ -86,7 +88,10 @@ def rel_error(o, q, k, v, causal, scale):
     return float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
 
 
-def bench_shape(b, s, hkv, d, causal, impls, with_bwd=True):
+def bench_shape(b, s, hkv, d, causal, impls, with_bwd=True, rounds=1):
+    """Rows for one shape. Every implementation is compiled and checked first, then timed
+    once a round for `rounds` rounds (order reversed every other round): figures are the
+    medians over rounds, and `*_x_cudnn` the medians of the per-round ratios to cuDNN."""
     key = jax.random.split(jax.random.key(s + hkv + d + causal), 4)
     q = jax.random.normal(key[0], (b, s, HQ, d), jnp.bfloat16)
     k = jax.random.normal(key[1], (b, s, hkv, d), jnp.bfloat16)
@@ -94,12 +99,12 @@ def bench_shape(b, s, hkv, d, causal, impls, with_bwd=True):
     do = jax.random.normal(key[3], (b, s, HQ, d), jnp.bfloat16)
     scale = d**-0.5
     flops = attention_flops(b, HQ, s, s, d, causal)
-    rows = []
+    rows, timed = [], {}  # timed: name -> (row, [(kind, fn, args)])
     for name, (fn, repeat) in impls.items():
         row = dict(b=b, s=s, hq=HQ, hkv=hkv, d=d, causal=causal, impl=name)
+        rows.append(row)
         if name == "xla" and s > 4096:
             row["note"] = "skipped: materialises S x S scores"
-            rows.append(row)
             continue
         kk, vv = (jnp.repeat(k, HQ // hkv, 2), jnp.repeat(v, HQ // hkv, 2)) if repeat else (k, v)
         if repeat:
@@ -113,18 +118,39 @@ def bench_shape(b, s, hkv, d, causal, impls, with_bwd=True):
         try:
             o = f(q, kk, vv)
             row["rel_err"] = rel_error(o, q, k, v, causal, scale)
-            t = time_fn(f, q, kk, vv)
-            row["fwd_ms"], row["fwd_tflops"] = t * 1e3, flops / t / 1e12
+            kinds = [("fwd", f, (q, kk, vv))]
             if with_bwd:
-                t = time_fn(g, q, kk, vv, do)
-                row["fwdbwd_ms"], row["fwdbwd_tflops"] = t * 1e3, 3.5 * flops / t / 1e12
+                jax.block_until_ready(g(q, kk, vv, do))  # compile before the rounds
+                kinds.append(("fwdbwd", g, (q, kk, vv, do)))
+            timed[name] = (row, kinds)
         except Exception as e:  # keep going: one failing impl must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        rows.append(row)
+    samples = {(n, kind): [] for n, (_, kinds) in timed.items() for kind, _, _ in kinds}
+    names = list(timed)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            row, kinds = timed[name]
+            try:
+                for kind, fn, args in kinds:
+                    samples[(name, kind)].append(time_fn(fn, *args))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                names.remove(name)
+    for name in names:
+        row, kinds = timed[name]
+        for kind, _, _ in kinds:
+            ts = samples[(name, kind)]
+            t = statistics.median(ts)
+            mult = 3.5 if kind == "fwdbwd" else 1.0
+            row[f"{kind}_ms"], row[f"{kind}_tflops"] = t * 1e3, mult * flops / t / 1e12
+            ref = samples.get(("cudnn", kind))
+            if ref and "cudnn" in names:
+                row[f"{kind}_x_cudnn"] = statistics.median(c / t_ for c, t_ in zip(ref, ts))
+    for row in rows:
         print(json.dumps(row), flush=True)
         if os.environ.get("OUT"):  # rows survive a run cut short
-            with open(os.path.join(os.environ["OUT"], "attention.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
+            with open(os.path.join(os.environ["OUT"], "attention.jsonl"), "a") as fh:
+                fh.write(json.dumps(row) + "\n")
     return rows
 
 
@@ -138,7 +164,10 @@ def print_table(rows):
 
         def fmt(key, r=r, c=c):
             v = r.get(key)
-            ratio = (f"{v / c[key]:8.2f}" if v and c.get(key) else f"{'':>8}")
+            x = r.get(key.replace("_tflops", "_x_cudnn"))
+            if x is None and v and c.get(key):
+                x = v / c[key]
+            ratio = f"{x:8.2f}" if x else f"{'':>8}"
             return (f"{v:9.1f}" if v else f"{'-':>9}") + " " + ratio
 
         err = f"{r['rel_err']:8.1e}" if "rel_err" in r else f"{'-':>8}"
@@ -184,6 +213,8 @@ def main():
                     help="sweep pallas_triton tiles for these head dims (default 128)")
     ap.add_argument("--impls", default="", help="comma-separated subset of implementations")
     ap.add_argument("--seqs", default="1024,4096,16384", help="comma-separated sequence lengths")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved timing rounds per shape (medians over rounds)")
     args = ap.parse_args()
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     if args.tune is not None:
@@ -208,7 +239,7 @@ def main():
         impls = make_impls(HQ, hkv)
         if args.impls:
             impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
-        rows += bench_shape(b, s, hkv, d, causal, impls)
+        rows += bench_shape(b, s, hkv, d, causal, impls, rounds=args.rounds)
     print_table(rows)
 
 
