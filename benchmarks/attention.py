@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.rounds import interleaved, speedup
 from jaxllm.kernels import available_flash_impls, flash_attention, reference
 
 HQ, TOKENS = 32, 16384
@@ -125,30 +126,25 @@ def bench_shape(b, s, hkv, d, causal, impls, with_bwd=True, rounds=1):
             timed[name] = (row, kinds)
         except Exception as e:  # keep going: one failing impl must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    samples = {(n, kind): [] for n, (_, kinds) in timed.items() for kind, _, _ in kinds}
-    names = list(timed)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            row, kinds = timed[name]
-            try:
-                for kind, fn, args in kinds:
-                    samples[(name, kind)].append(time_fn(fn, *args))
-            except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                names.remove(name)
-    for name in names:
-        row, kinds = timed[name]
-        for kind, _, _ in kinds:
-            ts = samples[(name, kind)]
-            t = statistics.median(ts)
-            mult = 3.5 if kind == "fwdbwd" else 1.0
-            row[f"{kind}_ms"], row[f"{kind}_tflops"] = t * 1e3, mult * flops / t / 1e12
-            ref = samples.get(("cudnn", kind))
-            if ref and "cudnn" in names:
-                row[f"{kind}_x_cudnn"] = statistics.median(c / t_ for c, t_ in zip(ref, ts))
+    def on_error(key, e):
+        timed[key[0]][0]["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+    samples = interleaved({(n, kind): functools.partial(time_fn, fn, *args)
+                           for n, (_, kinds) in timed.items() for kind, fn, args in kinds},
+                          rounds, on_error)
+    for (name, kind), ts in samples.items():
+        row = timed[name][0]
+        if "error" in row:  # its other kind failed: no half-timed rows
+            continue
+        t = statistics.median(ts)
+        mult = 3.5 if kind == "fwdbwd" else 1.0
+        row[f"{kind}_ms"], row[f"{kind}_tflops"] = t * 1e3, mult * flops / t / 1e12
+        ref = samples.get(("cudnn", kind))
+        if ref:
+            row[f"{kind}_x_cudnn"] = speedup(ref, ts)
     for row in rows:
         print(json.dumps(row), flush=True)
-        if os.environ.get("OUT"):  # rows survive a run cut short
+        if os.environ.get("OUT"):  # the shapes done survive a run cut short
             with open(os.path.join(os.environ["OUT"], "attention.jsonl"), "a") as fh:
                 fh.write(json.dumps(row) + "\n")
     return rows

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.attention import attention_flops, time_fn  # the same conventions
+from benchmarks.rounds import interleaved, speedup
 from jaxllm.kernels import flash_attention, reference
 
 HQ, HKV = 32, 8
@@ -98,24 +99,16 @@ def compile_pair(fn, q, k, v, do, causal):
 
 def bench_rounds(pairs, q, k, v, do, flops, rounds):
     """name -> {fwd, fwdbwd: median TFLOP/s, x_fwd, x_fwdbwd: median per-round ratio to
-    cuDNN}. Every round times every implementation once, in alternating order, so slow
-    and fast spells of the device fall on all of them alike."""
-    samples = {n: {"fwd": [], "fwdbwd": []} for n in pairs}
-    names = list(pairs)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            f, g = pairs[name]
-            samples[name]["fwd"].append(flops / time_fn(f, q, k, v, batches=3) / 1e12)
-            samples[name]["fwdbwd"].append(
-                3.5 * flops / time_fn(g, q, k, v, do, batches=3) / 1e12)
+    cuDNN}, timed in interleaved rounds (benchmarks/rounds.py)."""
+    args = {"fwd": (q, k, v), "fwdbwd": (q, k, v, do)}
+    samples = interleaved({(n, kind): functools.partial(time_fn, fn, *args[kind], batches=3)
+                           for n, fg in pairs.items() for kind, fn in zip(args, fg)}, rounds)
     out = {}
-    for name, sm in samples.items():
-        row = {key: statistics.median(xs) for key, xs in sm.items()}
-        if "cudnn" in samples:
-            for key, xs in sm.items():
-                row["x_" + key] = statistics.median(
-                    a / c for a, c in zip(xs, samples["cudnn"][key]))
-        out[name] = row
+    for (name, kind), ts in samples.items():
+        row = out.setdefault(name, {})
+        row[kind] = (3.5 if kind == "fwdbwd" else 1.0) * flops / statistics.median(ts) / 1e12
+        if ("cudnn", kind) in samples:
+            row["x_" + kind] = speedup(samples[("cudnn", kind)], ts)
     return out
 
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.rounds import interleaved, speedup
 from jaxllm.kernels import reference
 from jaxllm.kernels.pallas import paged_triton
 from jaxllm.kernels.xla import xla_attention
@@ -245,21 +246,13 @@ def measure_shape(b, ctx, pages, contiguous_cache, impls=("ours", "jax", "cudnn"
             timers[(name, page)] = (cfg, timer(fn, slot, kv_bytes))
         except Exception as e:  # noqa: BLE001
             failed(name, page, e)
-    samples = {k: [] for k in timers}
-    order = list(timers)
-    for r in range(rounds):
-        for k in order if r % 2 == 0 else order[::-1]:
-            if k in samples:
-                try:
-                    samples[k].append(timers[k][1]())
-                except Exception as e:  # noqa: BLE001
-                    failed(*k, e)
-                    del samples[k]
+    samples = interleaved({k: once for k, (_, once) in timers.items()}, rounds,
+                          lambda k, e: failed(*k, e))
     ref = samples.get(("cudnn contiguous", 0))
     rows = []
     for (name, page), ts in samples.items():
         t = statistics.median(ts)
-        x = statistics.median(c / o for c, o in zip(ref, ts)) if ref else None
+        x = speedup(ref, ts) if ref else None
         rows.append(dict(impl=name, B=b, ctx=ctx, page=page, cfg=timers[(name, page)][0],
                          us=t * 1e6, tbps=kv_bytes / t / 1e12, x_cudnn=x, ragged=ragged))
         print(f"  B={b:4d} ctx={ctx:6d} page={page:3d} {name:28s} {t * 1e6:9.1f} us "
@@ -303,14 +296,14 @@ def main():
     if args.sweep:  # kernel configurations at the headline shape; splits at B=8 and 128
         rows += measure(32, 4096, [16], cc, impls=("ours",), configs=SWEEP)
         rows += measure(8, 4096, [16], cc, impls=("ours",),
-                              configs=[dict(num_splits=s) for s in (4, 8, 16)])
+                        configs=[dict(num_splits=s) for s in (4, 8, 16)])
         rows += measure(128, 4096, [16], cc, impls=("ours",),
-                              configs=[dict(num_splits=s) for s in (1, 2)])
+                        configs=[dict(num_splits=s) for s in (1, 2)])
     rows += measure(32, 4096, [16], cc, impls=("ours", "jax"), ragged=True)
     if args.quick:
         rows += measure(32, 4096, [16], cc, configs=[dict(merge="xla")])
         rows += measure(8, 4096, [16], cc, impls=("ours", "cudnn"),
-                              configs=[dict(merge="xla")])
+                        configs=[dict(merge="xla")])
     else:
         free = dev.memory_stats().get("bytes_limit", 140e9) if hasattr(dev, "memory_stats") else 140e9
         for ctx in (512, 4096, 32768):
