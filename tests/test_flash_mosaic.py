@@ -6,7 +6,9 @@ early). Its wgmma takes neither register operands nor transposed shared-memory r
 there the matmuls read their operands and multiply them as arrays; everything else is
 the code that runs on the GPU. The simulator is slow: three small shapes cover causal
 and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 2 and
-D 64 and 128; the forward's schedule options run forward-only on one causal shape. The GPU-only cases run long sequences with the default tiles.
+D 64 and 128; the forward's schedule options, the full-mask default at D 128 and a
+single key tile run forward-only on small shapes. The GPU-only cases run long sequences
+with the default tiles.
 """
 import functools
 

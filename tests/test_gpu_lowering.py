@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxllm.kernels.pallas import flash_triton, gemv_triton, paged_triton
+from jaxllm.kernels.pallas import flash_mosaic, flash_triton, gemv_triton, paged_triton
 
 BF16 = jnp.bfloat16
 
@@ -74,8 +74,6 @@ def test_flash_triton_forward_and_backward_lower():
 def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
     # Mosaic GPU lowers on any machine too; the simulator the CPU tests use never sees the
     # wgmma/TMA lowering.
-    from jaxllm.kernels.pallas import flash_mosaic
-
     def loss(q, k, v):
         return flash_mosaic.flash_attention(q, k, v, causal=causal, interpret=False,
                                             **opts).astype(jnp.float32).sum()
