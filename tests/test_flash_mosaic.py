@@ -6,8 +6,10 @@ early). Its wgmma takes neither register operands nor transposed shared-memory r
 there the matmuls read their operands and multiply them as arrays; everything else is
 the code that runs on the GPU. The simulator is slow: three small shapes cover causal
 and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 2 and
-D 64 and 128; the forward's schedule options, the full-mask default at D 128 and a
-single key tile run forward-only on small shapes. The GPU-only cases run long sequences
+D 64 and 128; two more the persistent grid with several tiles a program and the
+one-tile-a-CTA, one-product-at-a-time paths; the forward's schedule options, the
+full-mask default at D 128, a single key tile and an odd number of query tiles run
+forward-only on small shapes. The GPU-only cases run long sequences
 with the default tiles.
 """
 import functools
@@ -85,15 +87,29 @@ def test_matches_reference(case):
     _check(*shape, causal=causal, tol=2e-2, block_kv=64)
 
 
+@pytest.mark.parametrize("shape, causal, opts", [
+    # persistent forward and dq: 3 heads over the simulator's 2 programs, so a program
+    # runs two causal pairs of tiles back to back (ring and Q buffers carried over)
+    ((1, 256, 192, 3, 1, 64), True, dict(persistent_dq=True)),
+    # one CTA a tile, each product awaited before the next (the non-default paths)
+    ((1, 70, 120, 1, 1, 64), False, dict(persistent=False, persistent_dq=False,
+                                         overlap_bwd=False))],
+    ids=["persistent_causal_gqa3", "plain_full"])
+def test_grid_and_backward_options(shape, causal, opts):
+    _check(*shape, causal=causal, tol=2e-2, block_kv=64, **opts)
+
+
 @pytest.mark.parametrize("opts, causal, d, sq, skv", [
     (dict(overlap_softmax=True, block_kv=64), True, 64, 128, 128),
     (dict(early_k_wait=True, sum_before_sync=True, block_kv=64), True, 64, 128, 128),
     # the default full-mask schedule at D = 128 (overlapped, no ping-pong), ragged keys
     (dict(block_kv=64), False, 128, 128, 120),
     # the default 128-key tiles over 100 keys: one tile, a stream shorter than the ring
-    ({}, True, 128, 64, 100)],
+    ({}, True, 128, 64, 100),
+    # 3 query tiles (odd: single tiles, not pairs) over 2 persistent programs
+    (dict(block_kv=64), True, 64, 384, 400)],
     ids=["overlap_softmax", "early_k_wait_sum_before_sync", "default_full_d128",
-         "one_key_tile"])
+         "one_key_tile", "persistent_odd_tiles"])
 def test_forward_schedule_options(opts, causal, d, sq, skv):
     # Same arithmetic, other wgmma/barrier order: the simulator checks the ring's barriers
     # (both slabs, a tile only one of them sees, masked and unmasked tiles).
@@ -108,12 +124,18 @@ def test_forward_schedule_options(opts, causal, d, sq, skv):
 
 
 def test_default_schedule_by_mask():
-    # the tuned table: ping-pong when causal; full attention at D = 128 overlaps instead
+    # the tuned table: ping-pong when causal; full attention at D = 128 overlaps instead;
+    # persistent forward and overlapped backward at D <= 128, a persistent dq when full
     full = flash_mosaic.default_block_sizes(128, causal=False)
     assert full.overlap_softmax and not full.schedule_barrier
     for d, causal in ((128, True), (64, False), (64, True)):
         bs = flash_mosaic.default_block_sizes(d, causal=causal)
         assert bs.schedule_barrier and not bs.overlap_softmax, (d, causal)
+    for d, causal in ((128, True), (128, False), (64, True), (64, False)):
+        bs = flash_mosaic.default_block_sizes(d, causal=causal)
+        assert bs.persistent and bs.overlap_bwd and bs.persistent_dq == (not causal)
+    big = flash_mosaic.default_block_sizes(256, causal=False)
+    assert not (big.persistent or big.persistent_dq or big.overlap_bwd)
 
 
 def test_bad_inputs_raise():

@@ -8,19 +8,25 @@ signalled by the consumers), and compute warpgroups issue `wgmma` with float32
 accumulators in registers. Each compute warpgroup owns a 64-row (by default) slab of
 the CTA's tile; all compute warpgroups of a CTA consume the same stream.
 
-  forward   grid (q tiles, Hq, B); 2 compute warpgroups x block_q rows. Streams K and V
-            tiles; S = Q K^T, online softmax in base 2 (scores scaled by
+  forward   work items (q tile, Hq, B); 2 compute warpgroups x block_q rows. Streams
+            K and V tiles; S = Q K^T, online softmax in base 2 (scores scaled by
             scale * log2 e inside the exponent's multiply-add; running max m and sum l
             in float32), O += P V. By default (see default_block_sizes) causal
             attention ping-pongs the two warpgroups on a schedule barrier, so one's
             softmax overlaps the other's matmuls; full attention at D = 128 instead
             overlaps each warpgroup's softmax with its own next QK^T and current PV
             (FA3's intra-warpgroup pipelining). Writes O and LSE = (m + log2 l) * ln 2.
-  dq        grid (q tiles, Hq, B); streams K, V; dS = P (dO V^T - delta), dQ += dS K.
+  dq        work items (q tile, Hq, B); streams K, V; dS = P (dO V^T - delta), dQ += dS K.
   dk, dv    grid (kv tiles, Hkv, B); streams Q, dO, LSE, delta of every query head of
             the GQA group in turn (so K/V are never repeated and dk/dv are summed over
             the group in registers); dV += P^T dO, dK += dS^T Q.
   delta = rowsum(dO * O) is computed with jnp before the backward kernels.
+
+The forward and dq kernels run either one CTA per work item or (`persistent`) one CTA
+per SM looping over items, its ring and barriers carried from item to item, so the next
+item's loads overlap this one's epilogue (mosaic_common.TileSchedule: which items, in
+which order). The backward can issue its two independent score products together and
+work on the first while the second runs (`overlap_bwd`).
 
 Causal attention is bottom-right aligned (query i sees keys j <= i + Skv - Sq). A CTA's
 stream stops at the last tile its rows can see (dk/dv: starts at the first); inside it
@@ -74,6 +80,15 @@ class BlockSizes:
     overlap_softmax: forward; FA3 intra-warpgroup overlap: step j issues Q K_j^T and then
       P_{j-1} V_{j-1} as two async wgmmas, and runs the softmax of tile j while the PV
       wgmma is still in flight (one more S-sized tile of registers).
+    persistent: forward; one CTA per SM, each looping over the (q tile, head, batch)
+      work items pid, pid + #SMs, ... (causal: pairs of tiles of equal total work; see
+      mosaic_common.TileSchedule): the producer streams the next tile's K/V into the
+      ring while the consumers finish the last, and the next tile's Q loads during this
+      one (D <= 128), so a CTA's start-up and epilogue no longer leave the SM idle.
+    persistent_dq: the same for the dq kernel (its Q, dO, LSE and delta tiles).
+    overlap_bwd: backward; issue S = Q K^T and dP = dO V^T (dk/dv: their transposes)
+      together, so the exponentials run while dP is in flight (and, in dk/dv, dS^T is
+      formed while dV += P^T dO runs).
     block_q_dq / block_kv_dq, block_q_dkv / block_kv_dkv: the backward kernels' tiles
     (the owned side per warpgroup and the streamed side); compute_wgs_bwd warpgroups a CTA.
     """
@@ -84,6 +99,9 @@ class BlockSizes:
     early_k_wait: bool = False
     sum_before_sync: bool = False
     overlap_softmax: bool = False
+    persistent: bool = False
+    persistent_dq: bool = False
+    overlap_bwd: bool = False
     block_q_dq: int = 64
     block_kv_dq: int = 64
     block_q_dkv: int = 64
@@ -119,27 +137,35 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
     n_kv_full_tail = skv // bk  # key tiles without padded keys
     c = scale * LOG2E
     dtype = q.dtype
+    order = mg.TileSchedule(n_qt, hq, b, causal=causal, persistent=bs.persistent,
+                            sim=interpret)
+    # A program that runs several tiles double-buffers Q (the next tile's Q loads during
+    # this one) where shared memory allows: not at D = 256.
+    n_qbuf = 2 if order.multi and d <= 128 else 1
 
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                q_bar, k_bar, v_bar, k_free, v_free, sched):
-        bi, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-        qt = lax.axis_index("q_seq")
-        if causal:  # heaviest tiles first: better balance at the end of the grid
-            qt = n_qt - 1 - qt
-        tile_base = qt * (n_wg * bq)
-        if causal:
-            n_steps = jnp.minimum(mg.cdiv_nonneg(tile_base + n_wg * bq + offset, bk), n_kv)
-        else:
-            n_steps = jnp.int32(n_kv)
+        pid, wg = lax.axis_index("programs"), lax.axis_index("wg")
+        n_mine = order.count(pid)
+
+        def coords(i):
+            """(batch, head, first row, key tiles of the CTA) of this program's tile i."""
+            qt, h, bi = order.coords(pid, i)
+            tile_base = qt * (n_wg * bq)
+            if causal:
+                n_steps = jnp.minimum(mg.cdiv_nonneg(tile_base + n_wg * bq + offset, bk), n_kv)
+            else:
+                n_steps = jnp.int32(n_kv)
+            return bi, h, tile_base, n_steps
 
         def sync():
             if bs.schedule_barrier:
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(sched)
 
-        @pl.when(wg < n_wg)
-        def _compute():
-            plgpu.set_max_registers(FWD_REGISTERS[0], action="increase")
+        def attend(q_tile, bi, h, tile_base, n_steps, base):
+            """One CTA tile: stream its n_steps key tiles, ring steps base, base + 1, ..."""
+            slot_of = lambda s: lax.rem(base + s, jnp.int32(stages))
             q_base = tile_base + wg * bq
             if causal:
                 my_steps = jnp.minimum(mg.cdiv_nonneg(q_base + bq + offset, bk), n_steps)
@@ -148,9 +174,6 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
             else:
                 my_steps = n_steps
                 n_full = jnp.int32(n_kv_full_tail)
-            q_tile = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), h], q_tile, q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
             rows = mg.iota((bq, bk), 0, interpret) + (q_base + offset)
 
             def softmax(s, sc, m, masked):
@@ -186,11 +209,11 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
                 if bs.early_k_wait:
                     nxt = s + 1
                     pl.when(nxt < k_wait_limit)(
-                        lambda: plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(stages))]))
+                        lambda: plgpu.barrier_wait(k_bar.at[slot_of(nxt)]))
 
             def step(s, carry, masked):
                 acc, m, l = carry
-                slot = lax.rem(s, jnp.int32(stages))
+                slot = slot_of(s)
                 if not bs.early_k_wait:
                     plgpu.barrier_wait(k_bar.at[slot])
 
@@ -218,9 +241,10 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
             # alone. Two schedule-barrier rendezvous per tile, as in `step`.
             def first(carry):
                 acc, m, l = carry
-                plgpu.barrier_wait(k_bar.at[0])
-                sc = mg.dot(q_tile, k_smem.at[0], trans_b=True, sim=interpret, during=sync)
-                plgpu.barrier_arrive(k_free.at[0])
+                slot = slot_of(0)
+                plgpu.barrier_wait(k_bar.at[slot])
+                sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
+                plgpu.barrier_arrive(k_free.at[slot])
                 p, m, alpha = softmax(0, sc, m, masked=True)
                 l = l * alpha + p.sum(axis=1)
                 sync()
@@ -228,8 +252,7 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
 
             def step_overlapped(s, carry, masked):
                 acc, m, l, p_prev = carry
-                slot = lax.rem(s, jnp.int32(stages))
-                prev = lax.rem(s - 1, jnp.int32(stages))
+                slot, prev = slot_of(s), slot_of(s - 1)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[prev])
 
@@ -250,7 +273,7 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
 
             def last(carry):
                 acc, m, l, p_prev = carry
-                prev = lax.rem(my_steps - 1, jnp.int32(stages))
+                prev = slot_of(my_steps - 1)
                 plgpu.barrier_wait(v_bar.at[prev])
                 acc = mg.dot(p_prev, v_smem.at[prev], acc=acc, a_ref=False, sim=interpret)
                 plgpu.barrier_arrive(v_free.at[prev])
@@ -269,7 +292,7 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
                 # A tile the other warpgroup needs: release the slot, keep the ping-pong.
                 # The overlapped pipeline releases V one tile late (after two more
                 # rendezvous), so there the rendezvous come before waiting for V.
-                slot = lax.rem(s, jnp.int32(stages))
+                slot = slot_of(s)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 if bs.overlap_softmax:
@@ -287,7 +310,7 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
                      mg.layout(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout, interpret),
                      mg.layout(jnp.zeros((bq,), jnp.float32), row_layout, interpret))
             if bs.early_k_wait and not bs.overlap_softmax:
-                pl.when(k_wait_limit > 0)(lambda: plgpu.barrier_wait(k_bar.at[0]))
+                pl.when(k_wait_limit > 0)(lambda: plgpu.barrier_wait(k_bar.at[slot_of(0)]))
             pl.when(wg == 1)(sync)
             if bs.overlap_softmax:
                 if causal:  # a slab that sees no key (Sq > Skv) skips the pipeline
@@ -305,28 +328,67 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
             l_safe = jnp.where(empty, 1.0, l)
             o = acc * mg.bcast_rows(1.0 / l_safe, acc.shape)
             lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
-            q_tile[...] = o.astype(dtype)
+            q_tile[...] = o.astype(dtype)  # Q is spent: its buffer stages O
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_tile, o_ref.at[bi, pl.ds(q_base, bq), h],
                                     commit_group=False)
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, h, pl.ds(q_base, bq)],
                                     commit_group=False)
             plgpu.commit_smem_to_gmem_group()
+
+        @pl.when(wg < n_wg)
+        def _compute():
+            plgpu.set_max_registers(FWD_REGISTERS[0], action="increase")
+
+            def load_q(i, buf):
+                bi, h, tile_base, _ = coords(i)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(tile_base + wg * bq, bq), h],
+                                        q_smem.at[buf, wg], q_bar.at[buf * n_wg + wg])
+
+            load_q(0, 0)
+
+            def tile(i, base):
+                buf = lax.rem(i, jnp.int32(n_qbuf)) if n_qbuf > 1 else 0
+                bi, h, tile_base, n_steps = coords(i)
+                q_tile = q_smem.at[buf, wg]
+                plgpu.barrier_wait(q_bar.at[buf * n_wg + wg])
+                if n_qbuf > 1:
+                    # The other buffer staged the last tile's output: once the TMA has
+                    # read it, it takes the next tile's Q.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    pl.when(i + 1 < n_mine)(lambda: load_q(i + 1, 1 - buf))
+                attend(q_tile, bi, h, tile_base, n_steps, base)
+                if n_qbuf == 1:
+                    @pl.when(i + 1 < n_mine)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        load_q(i + 1, 0)
+                return base + n_steps
+
+            lax.fori_loop(0, n_mine, tile, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == n_wg)
         def _produce_kv():
             plgpu.set_max_registers(FWD_REGISTERS[1], action="decrease")
-            kv_h = lax.div(h, jnp.int32(group))
-            tile = lambda ref: lambda s: ref.at[bi, pl.ds(s * bk, bk), kv_h]
-            mg.produce(n_steps, stages, [(k_bar, k_free, [(tile(k_ref), k_smem)]),
-                                       (v_bar, v_free, [(tile(v_ref), v_smem)])])
+
+            def tile(i, base):
+                bi, h, _, n_steps = coords(i)
+                kv_h = lax.div(h, jnp.int32(group))
+                src = lambda ref: lambda s: ref.at[bi, pl.ds(s * bk, bk), kv_h]
+                mg.produce_steps(base, n_steps, stages,
+                                 [(k_bar, k_free, [(src(k_ref), k_smem)]),
+                                  (v_bar, v_free, [(src(v_ref), v_smem)])])
+                return base + n_steps
+
+            mg.drain(lax.fori_loop(0, n_mine, tile, jnp.int32(0)), stages,
+                     [k_free, v_free])
 
     scratch = [
-        mg.smem((n_wg, bq, d), dtype),
+        mg.smem((n_qbuf, n_wg, bq, d), dtype),
         mg.smem((stages, bk, d), dtype), mg.smem((stages, bk, d), dtype),
         plgpu.SMEM((n_wg, bq), jnp.float32),
-        plgpu.Barrier(num_barriers=n_wg),
+        plgpu.Barrier(num_barriers=n_qbuf * n_wg),
         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
@@ -337,8 +399,8 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
         out_type=[jax.ShapeDtypeStruct(q.shape, dtype),
                   jax.ShapeDtypeStruct((b, hq, sq_p), jnp.float32)],
         scratch_types=scratch,
-        grid=(n_qt, hq, b),
-        grid_names=("q_seq", "heads", "batch"),
+        grid=(order.programs,),
+        grid_names=("programs",),
         num_threads=n_wg + 1,
         thread_name="wg",
         compiler_params=mg.compiler_params(),
@@ -412,15 +474,20 @@ def default_block_sizes(head_dim: int, causal: bool = True) -> BlockSizes:
     streams 64-key tiles (Q 64 KiB + a 2-stage K/V ring 128 KiB) and the backward runs
     one compute warpgroup a CTA (its owned tiles 64 KiB + the streamed ring 128 KiB).
 
-    Forward schedule, measured on the H200 (docs/benchmarks.md): causal attention runs
-    the two warpgroups in ping-pong; full attention at D = 128 runs the FA3 intra-
-    warpgroup overlap without the ping-pong (7-10% faster with GQA, level with MHA; 11-17%
-    slower when causal)."""
+    Schedules, measured on the H200 at D = 64 and 128 (docs/benchmarks.md):
+    - forward: causal attention runs the two warpgroups in ping-pong; full attention at
+      D = 128 runs the FA3 intra-warpgroup overlap without the ping-pong (7-10% faster
+      with GQA, level with MHA; 11-17% slower when causal). Persistent CTAs (one a SM)
+      gain 3-5% at S = 4096 and 13-15% at S = 1024.
+    - backward: S and dP issued together (overlap_bwd: dq 7% and dk/dv 3% faster); a
+      persistent dq kernel for full attention only (faster full, slower causal).
+    """
     if head_dim >= 256:
         return BlockSizes(block_kv=64, compute_wgs_bwd=1)
+    bs = BlockSizes(persistent=True, persistent_dq=not causal, overlap_bwd=True)
     if not causal and head_dim == 128:
-        return BlockSizes(overlap_softmax=True, schedule_barrier=False)
-    return BlockSizes()
+        return dataclasses.replace(bs, overlap_softmax=True, schedule_barrier=False)
+    return bs
 
 
 def _block_sizes(head_dim: int, kwargs: dict, causal: bool = True) -> BlockSizes:

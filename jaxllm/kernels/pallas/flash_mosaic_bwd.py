@@ -1,7 +1,7 @@
 """Backward kernels of the Mosaic GPU FlashAttention (see flash_mosaic.py for the design).
 
-  dq        grid (q tiles, Hq, B): each compute warpgroup owns block_q_dq query rows and
-            their dO, LSE and delta; K/V tiles stream through the ring.
+  dq        work items (q tile, Hq, B): each compute warpgroup owns block_q_dq query
+            rows and their dO, LSE and delta; K/V tiles stream through the ring.
             dS = P (dO V^T - delta), dQ += dS K, P = exp2(S log2 e - LSE log2 e).
   dk, dv    grid (kv tiles, Hkv, B): each compute warpgroup owns block_kv_dkv keys; the
             Q, dO, LSE and delta tiles of every query head of the GQA group stream past
@@ -37,22 +37,29 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
     dtype = q.dtype
     sim = interpret
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    order = mg.TileSchedule(n_qt, hq, b, causal=causal, persistent=bs.persistent_dq,
+                            sim=sim)
+    # As in the forward: the next tile's Q, dO, LSE and delta load during this one.
+    n_buf = 2 if order.multi and d <= 128 else 1
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem,
                lse_smem, delta_smem, k_smem, v_smem, in_bar, k_bar, v_bar, k_free, v_free):
-        bi, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-        qt = lax.axis_index("q_seq")
-        if causal:
-            qt = n_qt - 1 - qt
-        tile_base = qt * (n_wg * bq)
-        if causal:
-            n_steps = jnp.minimum(mg.cdiv_nonneg(tile_base + n_wg * bq + offset, bk), n_kv)
-        else:
-            n_steps = jnp.int32(n_kv)
+        pid, wg = lax.axis_index("programs"), lax.axis_index("wg")
+        n_mine = order.count(pid)
 
-        @pl.when(wg < n_wg)
-        def _compute():
-            plgpu.set_max_registers(BWD_REGISTERS[n_wg][0], action="increase")
+        def coords(i):
+            """(batch, head, first row, key tiles of the CTA) of this program's tile i."""
+            qt, h, bi = order.coords(pid, i)
+            tile_base = qt * (n_wg * bq)
+            if causal:
+                n_steps = jnp.minimum(mg.cdiv_nonneg(tile_base + n_wg * bq + offset, bk), n_kv)
+            else:
+                n_steps = jnp.int32(n_kv)
+            return bi, h, tile_base, n_steps
+
+        def attend(buf, bi, h, tile_base, n_steps, base):
+            """One CTA tile's dQ: stream its n_steps K/V tiles, ring steps base, ..."""
+            slot_of = lambda s: lax.rem(base + s, jnp.int32(stages))
             q_base = tile_base + wg * bq
             if causal:
                 my_steps = jnp.minimum(mg.cdiv_nonneg(q_base + bq + offset, bk), n_steps)
@@ -60,39 +67,44 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
                                      jnp.minimum(my_steps, skv // bk))
             else:
                 my_steps, n_full = n_steps, jnp.int32(skv // bk)
-            rows = pl.ds(q_base, bq)
-            q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
-            bar = in_bar.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, h], q_tile, bar)
-            plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, h], do_tile, bar)
-            plgpu.copy_gmem_to_smem(lse_ref.at[bi, h, rows], lse_smem.at[wg], bar)
-            plgpu.copy_gmem_to_smem(delta_ref.at[bi, h, rows], delta_smem.at[wg], bar)
-            plgpu.barrier_wait(bar)
-            lse = mg.load_vec(lse_smem.at[wg], row_layout, sim)  # (bq,) log2 units
-            delta = mg.load_vec(delta_smem.at[wg], row_layout, sim)
+            q_tile, do_tile = q_smem.at[buf, wg], do_smem.at[buf, wg]
+            lse = mg.load_vec(lse_smem.at[buf, wg], row_layout, sim)  # (bq,) log2 units
+            delta = mg.load_vec(delta_smem.at[buf, wg], row_layout, sim)
             row_ids = mg.iota((bq, bk), 0, sim) + (q_base + offset)
 
-            def step(s, dq, masked):
-                slot = lax.rem(s, jnp.int32(stages))
-                plgpu.barrier_wait(k_bar.at[slot])
-                sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=sim) * c  # (bq, bk)
+            def probs(s, sc, masked):
+                sc = sc * c  # (bq, bk), log2 units
                 if masked:
                     cols = mg.iota((bq, bk), 1, sim) + s * bk
                     ok = cols < skv
                     if causal:
                         ok = ok & (cols <= row_ids)
                     sc = jnp.where(ok, sc, -jnp.inf)
-                p = jnp.exp2(sc - mg.bcast_rows(lse, sc.shape))
-                plgpu.barrier_wait(v_bar.at[slot])
-                dp = mg.dot(do_tile, v_smem.at[slot], trans_b=True, sim=sim)
+                return jnp.exp2(sc - mg.bcast_rows(lse, sc.shape))
+
+            def step(s, dq, masked):
+                slot = slot_of(s)
+                plgpu.barrier_wait(k_bar.at[slot])
+                if bs.overlap_bwd:  # dO V^T runs while P is computed
+                    plgpu.barrier_wait(v_bar.at[slot])
+
+                    def then(sc, dp_fn):
+                        p = probs(s, sc, masked)
+                        return p * (dp_fn() - mg.bcast_rows(delta, sc.shape))
+                    ds = mg.dot_pair_nt(q_tile, k_smem.at[slot], do_tile, v_smem.at[slot],
+                                        then, sim=sim)
+                else:
+                    p = probs(s, mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=sim), masked)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    dp = mg.dot(do_tile, v_smem.at[slot], trans_b=True, sim=sim)
+                    ds = p * (dp - mg.bcast_rows(delta, dp.shape))
                 plgpu.barrier_arrive(v_free.at[slot])
-                ds = p * (dp - mg.bcast_rows(delta, dp.shape))
                 dq = mg.dot(ds.astype(dtype), k_smem.at[slot], acc=dq, a_ref=False, sim=sim)
                 plgpu.barrier_arrive(k_free.at[slot])
                 return dq
 
             def skip(s, _):
-                slot = lax.rem(s, jnp.int32(stages))
+                slot = slot_of(s)
                 for loaded, free in ((k_bar, k_free), (v_bar, v_free)):
                     plgpu.barrier_wait(loaded.at[slot])
                     plgpu.barrier_arrive(free.at[slot])
@@ -102,24 +114,63 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
             dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
             dq = lax.fori_loop(n_full, my_steps, functools.partial(step, masked=True), dq)
             lax.fori_loop(my_steps, n_steps, skip, None)
-            q_tile[...] = (dq * scale).astype(dtype)
+            q_tile[...] = (dq * scale).astype(dtype)  # Q is spent: its buffer stages dQ
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[bi, rows, h])
+            plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[bi, pl.ds(q_base, bq), h])
+
+        @pl.when(wg < n_wg)
+        def _compute():
+            plgpu.set_max_registers(BWD_REGISTERS[n_wg][0], action="increase")
+
+            def load_rows(i, buf):
+                bi, h, tile_base, _ = coords(i)
+                rows = pl.ds(tile_base + wg * bq, bq)
+                bar = in_bar.at[buf * n_wg + wg]
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, h], q_smem.at[buf, wg], bar)
+                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, h], do_smem.at[buf, wg], bar)
+                plgpu.copy_gmem_to_smem(lse_ref.at[bi, h, rows], lse_smem.at[buf, wg], bar)
+                plgpu.copy_gmem_to_smem(delta_ref.at[bi, h, rows], delta_smem.at[buf, wg], bar)
+
+            load_rows(0, 0)
+
+            def tile(i, base):
+                buf = lax.rem(i, jnp.int32(n_buf)) if n_buf > 1 else 0
+                bi, h, tile_base, n_steps = coords(i)
+                plgpu.barrier_wait(in_bar.at[buf * n_wg + wg])
+                if n_buf > 1:  # the other buffer staged the last dQ: reuse once it is read
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    pl.when(i + 1 < n_mine)(lambda: load_rows(i + 1, 1 - buf))
+                attend(buf, bi, h, tile_base, n_steps, base)
+                if n_buf == 1:
+                    @pl.when(i + 1 < n_mine)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        load_rows(i + 1, 0)
+                return base + n_steps
+
+            lax.fori_loop(0, n_mine, tile, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == n_wg)
         def _produce_kv():
             plgpu.set_max_registers(BWD_REGISTERS[n_wg][1], action="decrease")
-            kv_h = lax.div(h, jnp.int32(group))
-            tile = lambda ref: lambda s: ref.at[bi, pl.ds(s * bk, bk), kv_h]
-            mg.produce(n_steps, stages, [(k_bar, k_free, [(tile(k_ref), k_smem)]),
-                                       (v_bar, v_free, [(tile(v_ref), v_smem)])])
+
+            def tile(i, base):
+                bi, h, _, n_steps = coords(i)
+                kv_h = lax.div(h, jnp.int32(group))
+                src = lambda ref: lambda s: ref.at[bi, pl.ds(s * bk, bk), kv_h]
+                mg.produce_steps(base, n_steps, stages,
+                                 [(k_bar, k_free, [(src(k_ref), k_smem)]),
+                                  (v_bar, v_free, [(src(v_ref), v_smem)])])
+                return base + n_steps
+
+            mg.drain(lax.fori_loop(0, n_mine, tile, jnp.int32(0)), stages, [k_free, v_free])
 
     scratch = [
-        mg.smem((n_wg, bq, d), dtype), mg.smem((n_wg, bq, d), dtype),
-        plgpu.SMEM((n_wg, bq), jnp.float32), plgpu.SMEM((n_wg, bq), jnp.float32),
+        mg.smem((n_buf, n_wg, bq, d), dtype), mg.smem((n_buf, n_wg, bq, d), dtype),
+        plgpu.SMEM((n_buf, n_wg, bq), jnp.float32), plgpu.SMEM((n_buf, n_wg, bq), jnp.float32),
         mg.smem((stages, bk, d), dtype), mg.smem((stages, bk, d), dtype),
-        plgpu.Barrier(num_arrivals=4, num_barriers=n_wg),
+        plgpu.Barrier(num_arrivals=4, num_barriers=n_buf * n_wg),
         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
@@ -128,8 +179,8 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=scratch,
-        grid=(n_qt, hq, b),
-        grid_names=("q_seq", "heads", "batch"),
+        grid=(order.programs,),
+        grid_names=("programs",),
         num_threads=n_wg + 1,
         thread_name="wg",
         compiler_params=mg.compiler_params(),
@@ -181,17 +232,39 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
                 slot = lax.rem(first + t, jnp.int32(stages))
                 plgpu.barrier_wait(in_bar.at[slot])
                 q_t, do_t = q_ring.at[slot], do_ring.at[slot]
-                st = mg.dot(k_tile, q_t, trans_b=True, sim=sim) * c  # (bk, bq) = S^T
                 lse = mg.load_vec(lse_ring.at[slot], col_layout, sim)
-                pt = jnp.exp2(st - mg.bcast_cols(lse, st.shape))
-                if masked:
-                    q_ids = mg.iota((bk, bq), 1, sim) + t * bq
-                    pt = jnp.where(key_ids <= q_ids, pt, 0.0)
-                dv = mg.dot(pt.astype(dtype), do_t, acc=dv, a_ref=False, sim=sim)
-                dpt = mg.dot(v_tile, do_t, trans_b=True, sim=sim)
                 delta = mg.load_vec(delta_ring.at[slot], col_layout, sim)
-                dst = pt * (dpt - mg.bcast_cols(delta, dpt.shape))
-                dk = mg.dot(dst.astype(dtype), q_t, acc=dk, a_ref=False, sim=sim)
+
+                def probs(st):  # S^T (bk, bq) -> P^T
+                    pt = jnp.exp2(st * c - mg.bcast_cols(lse, st.shape))
+                    if masked:
+                        q_ids = mg.iota((bk, bq), 1, sim) + t * bq
+                        pt = jnp.where(key_ids <= q_ids, pt, 0.0)
+                    return pt
+
+                if bs.overlap_bwd and not sim:
+                    # S^T and dP^T issued together; P^T is computed while dP^T runs and
+                    # dS^T while dV += P^T dO runs.
+                    def scoped(st_ref, dpt_ref, dv_ref, dk_ref):
+                        plgpu.wgmma(st_ref, k_tile, q_t.transpose((1, 0)))
+                        plgpu.wgmma(dpt_ref, v_tile, do_t.transpose((1, 0)))
+                        pt = probs(plgpu.wgmma_accumulator_load(st_ref, wait_n=1))
+                        dv_ref[...] = dv
+                        plgpu.wgmma(dv_ref, pt.astype(dtype), do_t)
+                        dpt = plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1)
+                        dst = pt * (dpt - mg.bcast_cols(delta, dpt.shape))
+                        dk_ref[...] = dk
+                        plgpu.wgmma(dk_ref, dst.astype(dtype), q_t)
+                        return (plgpu.wgmma_accumulator_load(dk_ref, wait_n=1),
+                                plgpu.wgmma_accumulator_load(dv_ref, wait_n=0))
+                    dk, dv = pl.run_scoped(scoped, *(plgpu.ACC(sh, jnp.float32) for sh in
+                                                     ((bk, bq), (bk, bq), (bk, d), (bk, d))))
+                else:  # the simulator: the same arithmetic in the same order
+                    pt = probs(mg.dot(k_tile, q_t, trans_b=True, sim=sim))
+                    dv = mg.dot(pt.astype(dtype), do_t, acc=dv, a_ref=False, sim=sim)
+                    dpt = mg.dot(v_tile, do_t, trans_b=True, sim=sim)
+                    dst = pt * (dpt - mg.bcast_cols(delta, dpt.shape))
+                    dk = mg.dot(dst.astype(dtype), q_t, acc=dk, a_ref=False, sim=sim)
                 plgpu.barrier_arrive(in_free.at[slot])
                 return dk, dv
 

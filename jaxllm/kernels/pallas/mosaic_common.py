@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -128,6 +129,25 @@ def dot_overlapped(q, k, p, v, acc, between, *, sim: bool, during=None):
                          plgpu.ACC(acc.shape, jnp.float32))
 
 
+def dot_pair_nt(a1, b1, a2, b2, then, *, sim: bool):
+    """then(a1 @ b1^T, a2 @ b2^T) in float32, the two products issued back to back as
+    async wgmmas (all four SMEM refs) and `then` entered once the first is done: its
+    second argument is a function that waits for and returns the second product, so
+    `then` can work on the first while the second runs. In the simulator the same
+    arithmetic runs in the same order."""
+    if sim:
+        s1 = dot(a1, b1, trans_b=True, sim=True)
+        return then(s1, lambda: dot(a2, b2, trans_b=True, sim=True))
+
+    def scoped(r1, r2):
+        plgpu.wgmma(r1, a1, b1.transpose((1, 0)))
+        plgpu.wgmma(r2, a2, b2.transpose((1, 0)))
+        s1 = plgpu.wgmma_accumulator_load(r1, wait_n=1)
+        return then(s1, lambda: plgpu.wgmma_accumulator_load(r2, wait_n=0))
+    return pl.run_scoped(scoped, plgpu.ACC((a1.shape[0], b1.shape[0]), jnp.float32),
+                         plgpu.ACC((a2.shape[0], b2.shape[0]), jnp.float32))
+
+
 def load_vec(ref, layout, sim: bool):
     """A 1-D float32 SMEM vector as a register array in `layout` (the simulator has no
     `plgpu.load`)."""
@@ -169,6 +189,68 @@ def produce(n_steps, stages, groups):
     def _(s):
         for _, free, _ in groups:
             plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
+
+
+def produce_steps(base, n_steps, stages, groups):
+    """Producer of a persistent program: the n_steps tiles of one work item go to ring
+    steps base, base + 1, ... (slot = step % stages); from step `stages` on a slot is
+    reused once its consumers have freed it. groups as in `produce`."""
+    @pl.loop(0, n_steps)
+    def _(s):
+        step = base + s
+        slot = lax.rem(step, jnp.int32(stages))
+        for loaded, free, copies in groups:
+            pl.when(step >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+            for src_fn, ring in copies:
+                plgpu.copy_gmem_to_smem(src_fn(s), ring.at[slot], loaded.at[slot])
+
+
+def drain(total, stages, frees):
+    """After the last of `total` ring steps: see the consumers free the last slots, so that
+    every thread that waits on a barrier has observed all of its phases at the end."""
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _(s):
+        for free in frees:
+            plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
+
+
+class TileSchedule:
+    """Which (tile, head, batch) work a program of a query-tiled grid runs, in order.
+
+    Plain: one program per tile, tile index fastest (the CTAs running together share
+    K/V heads in L2); when causal the last tiles (most keys) come first. Persistent: one
+    program per SM (2 under the simulator, so each runs several), program pid running
+    items pid, pid + programs, ... When causal an item is the pair of tiles
+    (n_t - 1 - p, p) of a head, the same work for every pair, so the static split is
+    balanced (n_t even; with n_t odd, single tiles heaviest first).
+    """
+
+    def __init__(self, n_t: int, heads: int, batch: int, *, causal: bool,
+                 persistent: bool, sim: bool):
+        self.n_t, self.heads, self.causal = n_t, heads, causal
+        self.per_item = 2 if causal and persistent and n_t % 2 == 0 else 1
+        self.n_items = n_t * heads * batch // self.per_item
+        self.programs = self.n_items
+        if persistent:
+            dev_sms = 2 if sim else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+            self.programs = min(self.n_items, dev_sms)
+        self.multi = self.programs < self.n_items  # some program runs several tiles
+
+    def count(self, pid):
+        """Tiles program pid runs."""
+        return self.per_item * cdiv_nonneg(self.n_items - pid, self.programs)
+
+    def coords(self, pid, i):
+        """(tile, head, batch) of program pid's i-th tile."""
+        t = pid + lax.div(i, jnp.int32(self.per_item)) * self.programs
+        n_ti = self.n_t // self.per_item
+        tile, rest = lax.rem(t, jnp.int32(n_ti)), lax.div(t, jnp.int32(n_ti))
+        h, bi = lax.rem(rest, jnp.int32(self.heads)), lax.div(rest, jnp.int32(self.heads))
+        if self.per_item == 2:
+            tile = jnp.where(lax.rem(i, jnp.int32(2)) == 0, self.n_t - 1 - tile, tile)
+        elif self.causal:
+            tile = self.n_t - 1 - tile
+        return tile, h, bi
 
 
 def compiler_params():
