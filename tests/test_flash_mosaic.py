@@ -88,8 +88,8 @@ def test_matches_reference(case):
 
 
 @pytest.mark.parametrize("shape, causal, opts", [
-    # persistent forward and dq: 3 heads over the simulator's 2 programs, so a program
-    # runs two causal pairs of tiles back to back (ring and Q buffers carried over)
+    # persistent forward and dq: 6 causal tiles over the simulator's 2 programs, so a
+    # program runs three back to back (ring and Q buffers carried over)
     ((1, 256, 192, 3, 1, 64), True, dict(persistent_dq=True)),
     # one CTA a tile, each product awaited before the next (the non-default paths)
     ((1, 70, 120, 1, 1, 64), False, dict(persistent=False, persistent_dq=False,
@@ -106,7 +106,7 @@ def test_grid_and_backward_options(shape, causal, opts):
     (dict(block_kv=64), False, 128, 128, 120),
     # the default 128-key tiles over 100 keys: one tile, a stream shorter than the ring
     ({}, True, 128, 64, 100),
-    # 3 query tiles (odd: single tiles, not pairs) over 2 persistent programs
+    # 3 query tiles over 2 persistent programs: one runs two, the other one
     (dict(block_kv=64), True, 64, 384, 400)],
     ids=["overlap_softmax", "early_k_wait_sum_before_sync", "default_full_d128",
          "one_key_tile", "persistent_odd_tiles"])
@@ -121,6 +121,28 @@ def test_forward_schedule_options(opts, causal, d, sq, skv):
             *(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
     np.testing.assert_allclose(o.astype(jnp.float32), o_ref, atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(lse, lse_ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "grid"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("n_t, heads, batch, sms", [(7, 3, 2, 5), (4, 2, 1, 3), (6, 1, 1, 8),
+                                                    (5, 4, 3, 132)])
+def test_tile_schedule_runs_each_tile_once(n_t, heads, batch, sms, causal, persistent):
+    from jaxllm.kernels.pallas.mosaic_common import TileSchedule
+    sched = TileSchedule(n_t, heads, batch, causal=causal, persistent=persistent, sim=False,
+                         sms=sms)
+    seen, loads = [], []
+    for pid in range(sched.programs):
+        tiles = [tuple(int(x) for x in sched.coords(jnp.int32(pid), jnp.int32(i)))
+                 for i in range(int(sched.count(jnp.int32(pid))))]
+        seen += tiles
+        loads.append(sum(t + 1 for t, _, _ in tiles))  # causal work ~ tile index + 1
+    assert sorted(seen) == [(t, h, b) for t in range(n_t) for h in range(heads)
+                            for b in range(batch)]
+    assert sched.multi == (sched.programs < n_t * heads * batch)
+    if causal and persistent and n_t * heads * batch >= 2 * sched.programs:
+        # heaviest first, rounds of alternating direction: no program far above the mean
+        assert max(loads) <= 1.08 * sum(loads) / len(loads), loads
 
 
 def test_default_schedule_by_mask():

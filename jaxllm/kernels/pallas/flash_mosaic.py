@@ -81,8 +81,8 @@ class BlockSizes:
       P_{j-1} V_{j-1} as two async wgmmas, and runs the softmax of tile j while the PV
       wgmma is still in flight (one more S-sized tile of registers).
     persistent: forward; one CTA per SM, each looping over the (q tile, head, batch)
-      work items pid, pid + #SMs, ... (causal: pairs of tiles of equal total work; see
-      mosaic_common.TileSchedule): the producer streams the next tile's K/V into the
+      work items pid, pid + #SMs, ... (causal: heaviest tiles first, dealt in rounds of
+      alternating direction; see mosaic_common.TileSchedule): the producer streams the next tile's K/V into the
       ring while the consumers finish the last, and the next tile's Q loads during this
       one (D <= 128), so a CTA's start-up and epilogue no longer leave the SM idle.
     persistent_dq: the same for the dq kernel (its Q, dO, LSE and delta tiles).

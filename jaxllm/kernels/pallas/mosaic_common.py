@@ -220,35 +220,45 @@ class TileSchedule:
     Plain: one program per tile, tile index fastest (the CTAs running together share
     K/V heads in L2); when causal the last tiles (most keys) come first. Persistent: one
     program per SM (2 under the simulator, so each runs several), program pid running
-    items pid, pid + programs, ... When causal an item is the pair of tiles
-    (n_t - 1 - p, p) of a head, the same work for every pair, so the static split is
-    balanced (n_t even; with n_t odd, single tiles heaviest first).
+    tiles pid, pid + programs, ... of the same order. Causal work grows with the tile
+    index, so there a static split is balanced another way: all heads' heaviest tiles
+    first, dealt in rounds of alternating direction (round r to programs 0..P-1, round
+    r + 1 to P-1..0), which evens out each program's total.
     """
 
     def __init__(self, n_t: int, heads: int, batch: int, *, causal: bool,
-                 persistent: bool, sim: bool):
+                 persistent: bool, sim: bool, sms: int | None = None):
         self.n_t, self.heads, self.causal = n_t, heads, causal
-        self.per_item = 2 if causal and persistent and n_t % 2 == 0 else 1
-        self.n_items = n_t * heads * batch // self.per_item
+        self.snake = causal and persistent
+        self.n_items = n_t * heads * batch
         self.programs = self.n_items
         if persistent:
-            dev_sms = 2 if sim else int(getattr(jax.devices()[0], "core_count", 0) or 132)
-            self.programs = min(self.n_items, dev_sms)
+            if sms is None:
+                sms = 2 if sim else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+            self.programs = min(self.n_items, sms)
         self.multi = self.programs < self.n_items  # some program runs several tiles
 
     def count(self, pid):
         """Tiles program pid runs."""
-        return self.per_item * cdiv_nonneg(self.n_items - pid, self.programs)
+        if self.snake:
+            rounds, rem = divmod(self.n_items, self.programs)
+            pos = pid if rounds % 2 == 0 else self.programs - 1 - pid
+            return rounds + (pos < rem).astype(jnp.int32)
+        return cdiv_nonneg(self.n_items - pid, self.programs)
 
     def coords(self, pid, i):
         """(tile, head, batch) of program pid's i-th tile."""
-        t = pid + lax.div(i, jnp.int32(self.per_item)) * self.programs
-        n_ti = self.n_t // self.per_item
-        tile, rest = lax.rem(t, jnp.int32(n_ti)), lax.div(t, jnp.int32(n_ti))
+        if self.snake:
+            pos = jnp.where(lax.rem(i, jnp.int32(2)) == 0, pid, self.programs - 1 - pid)
+            t = i * self.programs + pos
+            hb = self.n_items // self.n_t  # heads x batch
+            level, rest = lax.div(t, jnp.int32(hb)), lax.rem(t, jnp.int32(hb))
+            h, bi = lax.rem(rest, jnp.int32(self.heads)), lax.div(rest, jnp.int32(self.heads))
+            return self.n_t - 1 - level, h, bi
+        t = pid + i * self.programs
+        tile, rest = lax.rem(t, jnp.int32(self.n_t)), lax.div(t, jnp.int32(self.n_t))
         h, bi = lax.rem(rest, jnp.int32(self.heads)), lax.div(rest, jnp.int32(self.heads))
-        if self.per_item == 2:
-            tile = jnp.where(lax.rem(i, jnp.int32(2)) == 0, self.n_t - 1 - tile, tile)
-        elif self.causal:
+        if self.causal:
             tile = self.n_t - 1 - tile
         return tile, h, bi
 
