@@ -149,15 +149,8 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
         pid, wg = lax.axis_index("programs"), lax.axis_index("wg")
         n_mine = order.count(pid)
 
-        def coords(i):
-            """(batch, head, first row, key tiles of the CTA) of this program's tile i."""
-            qt, h, bi = order.coords(pid, i)
-            tile_base = qt * (n_wg * bq)
-            if causal:
-                n_steps = jnp.minimum(mg.cdiv_nonneg(tile_base + n_wg * bq + offset, bk), n_kv)
-            else:
-                n_steps = jnp.int32(n_kv)
-            return bi, h, tile_base, n_steps
+        coords = functools.partial(order.query_tile, pid, rows=n_wg * bq, bk=bk, n_kv=n_kv,
+                                   causal=causal, offset=offset)
 
         def sync():
             if bs.schedule_barrier:
@@ -346,44 +339,20 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(tile_base + wg * bq, bq), h],
                                         q_smem.at[buf, wg], q_bar.at[buf * n_wg + wg])
 
-            load_q(0, 0)
-
-            def tile(i, base):
-                buf = lax.rem(i, jnp.int32(n_qbuf)) if n_qbuf > 1 else 0
+            def tile(i, buf, base):
                 bi, h, tile_base, n_steps = coords(i)
-                q_tile = q_smem.at[buf, wg]
-                plgpu.barrier_wait(q_bar.at[buf * n_wg + wg])
-                if n_qbuf > 1:
-                    # The other buffer staged the last tile's output: once the TMA has
-                    # read it, it takes the next tile's Q.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    pl.when(i + 1 < n_mine)(lambda: load_q(i + 1, 1 - buf))
-                attend(q_tile, bi, h, tile_base, n_steps, base)
-                if n_qbuf == 1:
-                    @pl.when(i + 1 < n_mine)
-                    def _():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        load_q(i + 1, 0)
-                return base + n_steps
+                attend(q_smem.at[buf, wg], bi, h, tile_base, n_steps, base)
+                return n_steps
 
-            lax.fori_loop(0, n_mine, tile, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
+            mg.consume_tiles(n_mine, n_qbuf, load_q,
+                             lambda buf: plgpu.barrier_wait(q_bar.at[buf * n_wg + wg]), tile)
 
         @pl.when(wg == n_wg)
         def _produce_kv():
             plgpu.set_max_registers(FWD_REGISTERS[1], action="decrease")
 
-            def tile(i, base):
-                bi, h, _, n_steps = coords(i)
-                kv_h = lax.div(h, jnp.int32(group))
-                src = lambda ref: lambda s: ref.at[bi, pl.ds(s * bk, bk), kv_h]
-                mg.produce_steps(base, n_steps, stages,
-                                 [(k_bar, k_free, [(src(k_ref), k_smem)]),
-                                  (v_bar, v_free, [(src(v_ref), v_smem)])])
-                return base + n_steps
-
-            mg.drain(lax.fori_loop(0, n_mine, tile, jnp.int32(0)), stages,
-                     [k_free, v_free])
+            mg.produce_kv_tiles(n_mine, stages, coords, group, bk,
+                                (k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free))
 
     scratch = [
         mg.smem((n_qbuf, n_wg, bq, d), dtype),

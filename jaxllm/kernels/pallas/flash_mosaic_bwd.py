@@ -47,15 +47,8 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
         pid, wg = lax.axis_index("programs"), lax.axis_index("wg")
         n_mine = order.count(pid)
 
-        def coords(i):
-            """(batch, head, first row, key tiles of the CTA) of this program's tile i."""
-            qt, h, bi = order.coords(pid, i)
-            tile_base = qt * (n_wg * bq)
-            if causal:
-                n_steps = jnp.minimum(mg.cdiv_nonneg(tile_base + n_wg * bq + offset, bk), n_kv)
-            else:
-                n_steps = jnp.int32(n_kv)
-            return bi, h, tile_base, n_steps
+        coords = functools.partial(order.query_tile, pid, rows=n_wg * bq, bk=bk, n_kv=n_kv,
+                                   causal=causal, offset=offset)
 
         def attend(buf, bi, h, tile_base, n_steps, base):
             """One CTA tile's dQ: stream its n_steps K/V tiles, ring steps base, ..."""
@@ -131,40 +124,20 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
                 plgpu.copy_gmem_to_smem(lse_ref.at[bi, h, rows], lse_smem.at[buf, wg], bar)
                 plgpu.copy_gmem_to_smem(delta_ref.at[bi, h, rows], delta_smem.at[buf, wg], bar)
 
-            load_rows(0, 0)
-
-            def tile(i, base):
-                buf = lax.rem(i, jnp.int32(n_buf)) if n_buf > 1 else 0
+            def tile(i, buf, base):
                 bi, h, tile_base, n_steps = coords(i)
-                plgpu.barrier_wait(in_bar.at[buf * n_wg + wg])
-                if n_buf > 1:  # the other buffer staged the last dQ: reuse once it is read
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    pl.when(i + 1 < n_mine)(lambda: load_rows(i + 1, 1 - buf))
                 attend(buf, bi, h, tile_base, n_steps, base)
-                if n_buf == 1:
-                    @pl.when(i + 1 < n_mine)
-                    def _():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        load_rows(i + 1, 0)
-                return base + n_steps
+                return n_steps
 
-            lax.fori_loop(0, n_mine, tile, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
+            mg.consume_tiles(n_mine, n_buf, load_rows,
+                             lambda buf: plgpu.barrier_wait(in_bar.at[buf * n_wg + wg]), tile)
 
         @pl.when(wg == n_wg)
         def _produce_kv():
             plgpu.set_max_registers(BWD_REGISTERS[n_wg][1], action="decrease")
 
-            def tile(i, base):
-                bi, h, _, n_steps = coords(i)
-                kv_h = lax.div(h, jnp.int32(group))
-                src = lambda ref: lambda s: ref.at[bi, pl.ds(s * bk, bk), kv_h]
-                mg.produce_steps(base, n_steps, stages,
-                                 [(k_bar, k_free, [(src(k_ref), k_smem)]),
-                                  (v_bar, v_free, [(src(v_ref), v_smem)])])
-                return base + n_steps
-
-            mg.drain(lax.fori_loop(0, n_mine, tile, jnp.int32(0)), stages, [k_free, v_free])
+            mg.produce_kv_tiles(n_mine, stages, coords, group, bk,
+                                (k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free))
 
     scratch = [
         mg.smem((n_buf, n_wg, bq, d), dtype), mg.smem((n_buf, n_wg, bq, d), dtype),

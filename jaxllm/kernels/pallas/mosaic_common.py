@@ -214,6 +214,56 @@ def drain(total, stages, frees):
             plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
 
 
+def produce_tiles(n_tiles, stages, frees, tile_groups):
+    """Producer loop of a program that runs n_tiles tiles on one ring: tile_groups(i) ->
+    (its number of steps, groups as in `produce`); tile i's steps follow tile i - 1's."""
+    def tile(i, base):
+        n_steps, groups = tile_groups(i)
+        produce_steps(base, n_steps, stages, groups)
+        return base + n_steps
+    drain(lax.fori_loop(0, n_tiles, tile, jnp.int32(0)), stages, frees)
+
+
+def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams):
+    """Producer of a query-tiled program (forward, dq): coords(i) -> (batch, head, _,
+    steps) of its tile i, whose key tiles of kv head head // group stream through
+    each of `streams`: (GMEM ref [B, S, Hkv, D], ring, loaded barriers, free barriers)."""
+    def tile(i):
+        bi, h, _, n_steps = coords(i)
+        kv_h = lax.div(h, jnp.int32(group))
+        return n_steps, [(loaded, free, [(lambda s, ref=ref: ref.at[bi, pl.ds(s * bk, bk), kv_h],
+                                          ring)])
+                         for ref, ring, loaded, free in streams]
+    produce_tiles(n_tiles, stages, [free for *_, free in streams], tile)
+
+
+def consume_tiles(n_tiles, n_buf, load, wait, body):
+    """Compute-warpgroup loop of a program that runs n_tiles tiles. load(i, buf) issues
+    the copies of tile i's own operands (Q and the like) into buffer `buf`, wait(buf)
+    awaits them, body(i, buf, base) runs tile i on ring steps base, base + 1, ...,
+    stages its output in buffer `buf` for a TMA store and returns its number of steps.
+    With two buffers the next tile's operands load during this tile, into the buffer
+    that staged the last output once the TMA has read it; with one, after this tile."""
+    load(0, 0)
+
+    def tile(i, base):
+        buf = lax.rem(i, jnp.int32(n_buf)) if n_buf > 1 else 0
+        wait(buf)
+        if n_buf > 1:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            pl.when(i + 1 < n_tiles)(lambda: load(i + 1, 1 - buf))
+        n_steps = body(i, buf, base)
+        if n_buf == 1:
+            @pl.when(i + 1 < n_tiles)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                load(i + 1, 0)
+        return base + n_steps
+
+    lax.fori_loop(0, n_tiles, tile, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+
 class TileSchedule:
     """Which (tile, head, batch) work a program of a query-tiled grid runs, in order.
 
@@ -245,6 +295,17 @@ class TileSchedule:
             pos = pid if rounds % 2 == 0 else self.programs - 1 - pid
             return rounds + (pos < rem).astype(jnp.int32)
         return cdiv_nonneg(self.n_items - pid, self.programs)
+
+    def query_tile(self, pid, i, *, rows, bk, n_kv, causal, offset):
+        """(batch, head, first row, key tiles to stream) of program pid's i-th tile of
+        `rows` query rows; causal streams stop at the last key tile a row sees."""
+        qt, h, bi = self.coords(pid, i)
+        first_row = qt * rows
+        if causal:
+            n_steps = jnp.minimum(cdiv_nonneg(first_row + rows + offset, bk), n_kv)
+        else:
+            n_steps = jnp.int32(n_kv)
+        return bi, h, first_row, n_steps
 
     def coords(self, pid, i):
         """(tile, head, batch) of program pid's i-th tile."""
