@@ -150,7 +150,7 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, skv, offset, interpret):
         n_mine = order.count(pid)
 
         coords = functools.partial(order.query_tile, pid, rows=n_wg * bq, bk=bk, n_kv=n_kv,
-                                   causal=causal, offset=offset)
+                                   offset=offset)
 
         def sync():
             if bs.schedule_barrier:

@@ -48,7 +48,7 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
         n_mine = order.count(pid)
 
         coords = functools.partial(order.query_tile, pid, rows=n_wg * bq, bk=bk, n_kv=n_kv,
-                                   causal=causal, offset=offset)
+                                   offset=offset)
 
         def attend(buf, bi, h, tile_base, n_steps, base):
             """One CTA tile's dQ: stream its n_steps K/V tiles, ring steps base, ..."""
@@ -232,7 +232,7 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
                                 plgpu.wgmma_accumulator_load(dv_ref, wait_n=0))
                     dk, dv = pl.run_scoped(scoped, *(plgpu.ACC(sh, jnp.float32) for sh in
                                                      ((bk, bq), (bk, bq), (bk, d), (bk, d))))
-                else:  # the simulator: the same arithmetic in the same order
+                else:  # each product awaited before the next (and the simulator)
                     pt = probs(mg.dot(k_tile, q_t, trans_b=True, sim=sim))
                     dv = mg.dot(pt.astype(dtype), do_t, acc=dv, a_ref=False, sim=sim)
                     dpt = mg.dot(v_tile, do_t, trans_b=True, sim=sim)

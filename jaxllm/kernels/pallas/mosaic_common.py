@@ -214,27 +214,21 @@ def drain(total, stages, frees):
             plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
 
 
-def produce_tiles(n_tiles, stages, frees, tile_groups):
-    """Producer loop of a program that runs n_tiles tiles on one ring: tile_groups(i) ->
-    (its number of steps, groups as in `produce`); tile i's steps follow tile i - 1's."""
-    def tile(i, base):
-        n_steps, groups = tile_groups(i)
-        produce_steps(base, n_steps, stages, groups)
-        return base + n_steps
-    drain(lax.fori_loop(0, n_tiles, tile, jnp.int32(0)), stages, frees)
-
-
 def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams):
     """Producer of a query-tiled program (forward, dq): coords(i) -> (batch, head, _,
     steps) of its tile i, whose key tiles of kv head head // group stream through
-    each of `streams`: (GMEM ref [B, S, Hkv, D], ring, loaded barriers, free barriers)."""
-    def tile(i):
+    each of `streams`: (GMEM ref [B, S, Hkv, D], ring, loaded barriers, free barriers).
+    Tile i's steps follow tile i - 1's on the ring."""
+    def tile(i, base):
         bi, h, _, n_steps = coords(i)
         kv_h = lax.div(h, jnp.int32(group))
-        return n_steps, [(loaded, free, [(lambda s, ref=ref: ref.at[bi, pl.ds(s * bk, bk), kv_h],
-                                          ring)])
-                         for ref, ring, loaded, free in streams]
-    produce_tiles(n_tiles, stages, [free for *_, free in streams], tile)
+        groups = [(loaded, free, [(lambda s, ref=ref: ref.at[bi, pl.ds(s * bk, bk), kv_h],
+                                   ring)])
+                  for ref, ring, loaded, free in streams]
+        produce_steps(base, n_steps, stages, groups)
+        return base + n_steps
+    drain(lax.fori_loop(0, n_tiles, tile, jnp.int32(0)), stages,
+          [free for *_, free in streams])
 
 
 def consume_tiles(n_tiles, n_buf, load, wait, body):
@@ -296,12 +290,12 @@ class TileSchedule:
             return rounds + (pos < rem).astype(jnp.int32)
         return cdiv_nonneg(self.n_items - pid, self.programs)
 
-    def query_tile(self, pid, i, *, rows, bk, n_kv, causal, offset):
+    def query_tile(self, pid, i, *, rows, bk, n_kv, offset):
         """(batch, head, first row, key tiles to stream) of program pid's i-th tile of
         `rows` query rows; causal streams stop at the last key tile a row sees."""
         qt, h, bi = self.coords(pid, i)
         first_row = qt * rows
-        if causal:
+        if self.causal:
             n_steps = jnp.minimum(cdiv_nonneg(first_row + rows + offset, bk), n_kv)
         else:
             n_steps = jnp.int32(n_kv)
