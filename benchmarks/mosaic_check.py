@@ -50,10 +50,13 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
     # one CTA a tile and a backward that awaits each product before the next (the
     # defaults before the persistent kernels)
     "mosaic grid serial-bwd": dict(persistent=False, persistent_dq=False, overlap_bwd=False),
+    # dQ formed by the dk/dv kernel and added with TMA reductions (no dq kernel)
+    "mosaic fused-dq": dict(fused_dq=True),
 }
 # --headline: B=4 S=4096 D=128 only, cuDNN and the variants not skipped here (no
 # pallas_triton); the default and the new forward schedules also get a correctness check.
-HEADLINE_SKIP = ("mosaic bk64 st3", "mosaic bwd 1wg st3", "mosaic grid serial-bwd")
+HEADLINE_SKIP = ("mosaic bk64 st3", "mosaic bwd 1wg st3", "mosaic grid serial-bwd",
+                 "mosaic fused-dq")
 HEADLINE_CHECK = ("mosaic pingpong", "mosaic early-k", "mosaic early-k sum", "mosaic overlap",
                   "mosaic overlap no-pingpong", "mosaic bq128 bk64")
 

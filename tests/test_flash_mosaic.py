@@ -6,11 +6,12 @@ early). Its wgmma takes neither register operands nor transposed shared-memory r
 there the matmuls read their operands and multiply them as arrays; everything else is
 the code that runs on the GPU. The simulator is slow: three small shapes cover causal
 and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 2 and
-D 64 and 128; two more the persistent grid with several tiles a program and the
-one-tile-a-CTA, one-product-at-a-time paths; the forward's schedule options, the
-full-mask default at D 128, a single key tile and an odd number of query tiles run
-forward-only on small shapes. The GPU-only cases run long sequences
-with the default tiles.
+D 64 and 128; four more the persistent grid with several tiles a program, the
+one-tile-a-CTA, one-product-at-a-time paths and dQ formed by the dk/dv kernel (the
+simulator has no TMA reduction: there each CTA accumulates a dQ slice of its own); the
+forward's schedule options, the full-mask default at D 128, a single key tile and an
+odd number of query tiles run forward-only on small shapes. The GPU-only cases run
+long sequences with the default tiles.
 """
 import functools
 
@@ -93,8 +94,13 @@ def test_matches_reference(case):
     ((1, 256, 192, 3, 1, 64), True, dict(persistent_dq=True)),
     # one CTA a tile, each product awaited before the next (the non-default paths)
     ((1, 70, 120, 1, 1, 64), False, dict(persistent=False, persistent_dq=False,
-                                         overlap_bwd=False))],
-    ids=["persistent_causal_gqa3", "plain_full"])
+                                         overlap_bwd=False)),
+    # dQ from the dk/dv kernel: at D 128 split along D over the two warpgroups (dS
+    # shared through a barrier; in the second CTA one warpgroup's keys see no query
+    # row, so it publishes a zero dS); at D 64 each warpgroup over its own keys
+    ((1, 100, 130, 2, 1, 128), True, dict(fused_dq=True)),
+    ((1, 70, 120, 2, 1, 64), False, dict(fused_dq=True))],
+    ids=["persistent_causal_gqa3", "plain_full", "fused_dq_causal_d128", "fused_dq_full_d64"])
 def test_grid_and_backward_options(shape, causal, opts):
     _check(*shape, causal=causal, tol=2e-2, block_kv=64, **opts)
 
@@ -172,6 +178,9 @@ def test_bad_inputs_raise():
         flash_mosaic.flash_attention(q, q, q, block_kv=96)
     with pytest.raises(ValueError, match="unknown pallas_mosaic options"):
         flash_mosaic.flash_attention(q, q, q, blok_q=64)
+    q = jnp.ones((1, 8, 2, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="fused_dq takes head_dim <= 128"):
+        flash_mosaic.flash_attention(q, q, q, fused_dq=True)
 
 
 def test_auto_skips_unsupported_inputs(monkeypatch):
@@ -195,6 +204,15 @@ def test_auto_skips_unsupported_inputs(monkeypatch):
                          ids=["gqa4_d128", "mqa_d64_sq_lt_skv", "mha_d256", "sq_gt_skv"])
 def test_gpu_long_bf16(shape, causal):
     _check(*shape, causal=causal, tol=3e-2)
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", [(2, 1024, 1024, 8, 2, 128), (1, 1000, 2500, 8, 1, 64),
+                                   (1, 2500, 1000, 4, 1, 128)],
+                         ids=["gqa4_d128", "mqa_d64_sq_lt_skv", "sq_gt_skv"])
+def test_gpu_fused_dq(shape, causal):
+    _check(*shape, causal=causal, tol=3e-2, fused_dq=True)
 
 
 @hopper_only

@@ -90,6 +90,9 @@ class BlockSizes:
     overlap_bwd: backward; issue S = Q K^T and dP = dO V^T (dk/dv: their transposes)
       together, so the exponentials run while dP is in flight (and, in dk/dv, dS^T is
       formed while dV += P^T dO runs).
+    fused_dq: backward; no dq kernel: the dk/dv kernel also forms dQ += dS K from its
+      dS and adds it into a float32 buffer with TMA reductions (5 matmuls a tile pair
+      instead of 7; D <= 128).
     block_q_dq / block_kv_dq, block_q_dkv / block_kv_dkv: the backward kernels' tiles
     (the owned side per warpgroup and the streamed side); compute_wgs_bwd warpgroups a CTA.
     """
@@ -103,6 +106,7 @@ class BlockSizes:
     persistent: bool = False
     persistent_dq: bool = False
     overlap_bwd: bool = False
+    fused_dq: bool = False
     block_q_dq: int = 64
     block_kv_dq: int = 64
     block_q_dkv: int = 64
@@ -421,9 +425,13 @@ def _flash_bwd(causal, scale, bs, interpret, res, cts):
     qp, dop = mg.pad_axis(q, 1, sq_p), mg.pad_axis(do.astype(q.dtype), 1, sq_p)
     kp, vp = mg.pad_axis(k, 1, skv_p), mg.pad_axis(v, 1, skv_p)
     common = dict(causal=causal, scale=scale, bs=bs, offset=skv - sq, interpret=interpret)
-    dq = dq_kernel(qp, kp, vp, dop, lse2, delta, skv=skv, **common)
-    dk, dv = dkdv_kernel(qp, kp, vp, dop, lse2, delta, **common)
-    return dq[:, :sq], dk[:, :skv], dv[:, :skv]
+    if bs.fused_dq:
+        dk, dv, dq = dkdv_kernel(qp, kp, vp, dop, lse2, delta, **common)
+        dq = (dq[:, :sq] * scale).astype(q.dtype)
+    else:
+        dq = dq_kernel(qp, kp, vp, dop, lse2, delta, skv=skv, **common)[:, :sq]
+        dk, dv = dkdv_kernel(qp, kp, vp, dop, lse2, delta, **common)
+    return dq, dk[:, :skv], dv[:, :skv]
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -469,7 +477,11 @@ def _block_sizes(head_dim: int, kwargs: dict, causal: bool = True) -> BlockSizes
     if unknown:
         raise ValueError(f"unknown pallas_mosaic options {unknown}; valid: "
                          f"block_sizes, {sorted(names)}")
-    return dataclasses.replace(bs, **kwargs)
+    bs = dataclasses.replace(bs, **kwargs)
+    if bs.fused_dq and head_dim > 128:
+        raise ValueError(f"fused_dq takes head_dim <= 128 (the dQ accumulator and the staged "
+                         f"dS do not fit beside dK and dV); got head_dim={head_dim}")
+    return bs
 
 
 def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | None = None,

@@ -48,8 +48,10 @@ def clip(x, lo, hi):
 
 
 def smem(shape, dtype):
-    """Shared memory in the layout wgmma reads: 8 x 64 tiles, 128-byte swizzle."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+    """Shared memory in the layout wgmma reads: tiles of 8 rows of 128 bytes (8 x 64 for
+    16-bit types), 128-byte swizzle."""
+    cols = 128 // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
                                                 plgpu.SwizzleTransform(128)))
 
 
@@ -329,3 +331,17 @@ def interpret_params(interpret):
     if params is None:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
     return params()
+
+
+def kernel_with_refs(body, out_type, scratch, *, grid, grid_names, num_threads, thread_name):
+    """Like plgpu.kernel, but the call may also take JAX refs (`jax.new_ref`), which the
+    kernel reads and writes in place (aliased in and out); body(*inputs, *outputs,
+    *scratch) as for plgpu.kernel. Compiled kernels only: the simulator aliases nothing."""
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=num_threads,
+                      thread_name=thread_name)
+
+    def with_scratch(*refs):
+        pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes=thread_name)
+
+    return pl.kernel(with_scratch, out_type=out_type, mesh=mesh,
+                     compiler_params=compiler_params(), name=body.__name__)
