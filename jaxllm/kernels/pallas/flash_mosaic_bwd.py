@@ -7,6 +7,9 @@
             Q, dO, LSE and delta tiles of every query head of the GQA group stream past
             in turn, so dk/dv are summed over the group in registers.
             dV += P^T dO, dK += dS^T Q (computed transposed: S^T = K Q^T).
+  fused_dq  (optional) no dq kernel: the dk/dv kernel also adds dQ += dS K into a
+            float32 buffer with TMA reductions. Fewer matmuls, but slower on the H200
+            at D = 128 (docs/benchmarks.md), so off by default.
 """
 from __future__ import annotations
 
@@ -400,7 +403,8 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
         ]
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
     grid = dict(grid=(n_kt, hkv, b), grid_names=("kv_seq", "heads", "batch"),
-                num_threads=n_wg + 1, thread_name="wg")
+                num_threads=n_wg + 1, thread_name="wg",
+                kernel_name="flash_dkdv_dq" if fuse else "flash_dkdv")
     args = (q, k, v, do, lse2, delta)
     if not fuse:
         return plgpu.kernel(

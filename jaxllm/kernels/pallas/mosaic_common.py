@@ -333,7 +333,8 @@ def interpret_params(interpret):
     return params()
 
 
-def kernel_with_refs(body, out_type, scratch, *, grid, grid_names, num_threads, thread_name):
+def kernel_with_refs(body, out_type, scratch, *, grid, grid_names, num_threads, thread_name,
+                     kernel_name):
     """Like plgpu.kernel, but the call may also take JAX refs (`jax.new_ref`), which the
     kernel reads and writes in place (aliased in and out); body(*inputs, *outputs,
     *scratch) as for plgpu.kernel. Compiled kernels only: the simulator aliases nothing."""
@@ -344,4 +345,4 @@ def kernel_with_refs(body, out_type, scratch, *, grid, grid_names, num_threads, 
         pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes=thread_name)
 
     return pl.kernel(with_scratch, out_type=out_type, mesh=mesh,
-                     compiler_params=compiler_params(), name=body.__name__)
+                     compiler_params=compiler_params(), name=kernel_name)
