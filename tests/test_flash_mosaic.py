@@ -197,22 +197,21 @@ def test_auto_skips_unsupported_inputs(monkeypatch):
     assert fn is flash_mosaic.flash_attention
 
 
-@hopper_only
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("shape", [(2, 1024, 1024, 8, 2, 128), (1, 1000, 2500, 8, 1, 64),
-                                   (1, 777, 777, 4, 4, 256), (1, 2500, 1000, 4, 1, 128)],
-                         ids=["gqa4_d128", "mqa_d64_sq_lt_skv", "mha_d256", "sq_gt_skv"])
-def test_gpu_long_bf16(shape, causal):
-    _check(*shape, causal=causal, tol=3e-2)
+_GPU_SHAPES = {"gqa4_d128": (2, 1024, 1024, 8, 2, 128),
+               "mqa_d64_sq_lt_skv": (1, 1000, 2500, 8, 1, 64),
+               "mha_d256": (1, 777, 777, 4, 4, 256),
+               "sq_gt_skv": (1, 2500, 1000, 4, 1, 128)}
+# the default tiles everywhere; dQ from the dk/dv kernel where it applies (D <= 128)
+_GPU_CASES = [(n, {}) for n in _GPU_SHAPES] + [
+    (n, dict(fused_dq=True)) for n in _GPU_SHAPES if _GPU_SHAPES[n][-1] <= 128]
 
 
 @hopper_only
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("shape", [(2, 1024, 1024, 8, 2, 128), (1, 1000, 2500, 8, 1, 64),
-                                   (1, 2500, 1000, 4, 1, 128)],
-                         ids=["gqa4_d128", "mqa_d64_sq_lt_skv", "sq_gt_skv"])
-def test_gpu_fused_dq(shape, causal):
-    _check(*shape, causal=causal, tol=3e-2, fused_dq=True)
+@pytest.mark.parametrize("name, opts", _GPU_CASES,
+                         ids=[n + ("_fused_dq" if o else "") for n, o in _GPU_CASES])
+def test_gpu_long_bf16(name, opts, causal):
+    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2, **opts)
 
 
 @hopper_only
