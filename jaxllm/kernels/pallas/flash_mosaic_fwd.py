@@ -1,0 +1,276 @@
+"""Forward kernel of the Mosaic GPU FlashAttention (see flash_mosaic.py for the design):
+O and LSE, work items (q tile, Hq, B), K/V tiles streamed through a TMA ring.
+
+bs is a flash_mosaic.BlockSizes.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxllm.kernels.pallas import mosaic_common as mg
+from jaxllm.kernels.pallas.mosaic_common import LN2, LOG2E
+
+# Registers a thread of the forward's compute / producer warpgroups (2 x 128 compute
+# threads and 128 producer threads must fit the SM's 64K registers).
+FWD_REGISTERS = (232, 40)
+
+
+def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
+    """Padded q [B, Sq_p, Hq, D], k/v [B, Skv_p, Hkv, D] -> o, lse [B, Hq, Sq_p] (natural)."""
+    b, sq_p, hq, d = q.shape
+    skv_p, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    bq, bk, stages = bs.block_q, bs.block_kv, bs.num_stages
+    n_wg = 2
+    n_qt, n_kv = sq_p // (n_wg * bq), skv_p // bk
+    # A ring deeper than the stream would slice tiles past the keys while tracing the
+    # producer's (never taken) prologue copies.
+    stages = min(stages, n_kv)
+    n_kv_full_tail = skv // bk  # key tiles without padded keys
+    c = scale * LOG2E
+    dtype = q.dtype
+    order = mg.TileSchedule(n_qt, hq, b, causal=causal, persistent=bs.persistent,
+                            sim=interpret)
+    # A program that runs several tiles double-buffers Q (the next tile's Q loads during
+    # this one) where shared memory allows: not at D = 256.
+    n_qbuf = 2 if order.multi and d <= 128 else 1
+
+    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
+               q_bar, k_bar, v_bar, k_free, v_free, sched):
+        pid, wg = lax.axis_index("programs"), lax.axis_index("wg")
+        n_mine = order.count(pid)
+
+        coords = functools.partial(order.query_tile, pid, rows=n_wg * bq, bk=bk, n_kv=n_kv,
+                                   offset=offset)
+
+        def sync():
+            if bs.schedule_barrier:
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
+
+        def attend(q_tile, bi, h, tile_base, n_steps, base):
+            """One CTA tile: stream its n_steps key tiles, ring steps base, base + 1, ..."""
+            slot_of = lambda s: lax.rem(base + s, jnp.int32(stages))
+            q_base = tile_base + wg * bq
+            if causal:
+                my_steps = jnp.minimum(mg.cdiv_nonneg(q_base + bq + offset, bk), n_steps)
+                n_full = jnp.minimum(mg.floordiv_nonneg(q_base + offset + 1, bk),
+                                     jnp.minimum(my_steps, n_kv_full_tail))
+            else:
+                my_steps = n_steps
+                n_full = jnp.int32(n_kv_full_tail)
+            rows = mg.iota((bq, bk), 0, interpret) + (q_base + offset)
+
+            def softmax(s, sc, m, masked):
+                """Raw scores of key tile s -> (P in float32, new max m, rescale alpha).
+
+                m is in log2 units (scores times c). With c > 0 the row max is taken on
+                the raw scores and scaled once per row, so each score is scaled and
+                shifted by one fused multiply-add inside exp2."""
+                fused = c > 0
+                if not fused:
+                    sc = sc * c  # (bq, bk), log2 units
+                if masked:
+                    cols = mg.iota((bq, bk), 1, interpret) + s * bk
+                    ok = cols < skv
+                    if causal:
+                        ok = ok & (cols <= rows)
+                    sc = jnp.where(ok, sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc.max(axis=1) * c if fused else sc.max(axis=1))
+                # Rows with every key masked so far keep m = -inf: shift by 0, not -inf.
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+                alpha = jnp.exp2(m - m_use)
+                if fused:
+                    p = jnp.exp2(sc * c - mg.bcast_rows(m_use, sc.shape))
+                else:
+                    p = jnp.exp2(sc - mg.bcast_rows(m_use, sc.shape))
+                return p, m_new, alpha
+
+            # The bound of the early K wait, traced (causal) or a Python int: a concrete
+            # array closed over by the wgmma's `during` region fails to lower (jax 0.11).
+            k_wait_limit = my_steps if causal else n_kv
+
+            def wait_next_k(s):
+                if bs.early_k_wait:
+                    nxt = s + 1
+                    pl.when(nxt < k_wait_limit)(
+                        lambda: plgpu.barrier_wait(k_bar.at[slot_of(nxt)]))
+
+            def step(s, carry, masked):
+                acc, m, l = carry
+                slot = slot_of(s)
+                if not bs.early_k_wait:
+                    plgpu.barrier_wait(k_bar.at[slot])
+
+                sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
+                plgpu.barrier_arrive(k_free.at[slot])
+                p, m_new, alpha = softmax(s, sc, m, masked)
+                acc = acc * mg.bcast_rows(alpha, acc.shape)
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                if bs.sum_before_sync:
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                if bs.schedule_barrier:
+                    plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if bs.schedule_barrier:
+                    plgpu.barrier_wait(sched)
+                acc = mg.dot(p16, v_smem.at[slot], acc=acc, a_ref=False, sim=interpret,
+                             during=functools.partial(wait_next_k, s) if bs.early_k_wait
+                             else None)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            # overlap_softmax: tile 0 runs QK + softmax alone, step j (>= 1) issues QK_j
+            # and PV_{j-1} together and runs softmax j under PV_{j-1}, the last PV runs
+            # alone. Two schedule-barrier rendezvous per tile, as in `step`.
+            def first(carry):
+                acc, m, l = carry
+                slot = slot_of(0)
+                plgpu.barrier_wait(k_bar.at[slot])
+                sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
+                plgpu.barrier_arrive(k_free.at[slot])
+                p, m, alpha = softmax(0, sc, m, masked=True)
+                l = l * alpha + p.sum(axis=1)
+                sync()
+                return acc, m, l, p.astype(dtype)
+
+            def step_overlapped(s, carry, masked):
+                acc, m, l, p_prev = carry
+                slot, prev = slot_of(s), slot_of(s - 1)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[prev])
+
+                def between(sc):  # S_j is ready; PV_{j-1} may still run
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p, m_new, alpha = softmax(s, sc, m, masked)
+                    l_new = l * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    sync()
+                    return p16, m_new, l_new, alpha
+
+                acc, (p16, m, l, alpha) = mg.dot_overlapped(
+                    q_tile, k_smem.at[slot], p_prev, v_smem.at[prev], acc, between,
+                    sim=interpret, during=sync)
+                plgpu.barrier_arrive(v_free.at[prev])
+                acc = acc * mg.bcast_rows(alpha, acc.shape)
+                return acc, m, l, p16
+
+            def last(carry):
+                acc, m, l, p_prev = carry
+                prev = slot_of(my_steps - 1)
+                plgpu.barrier_wait(v_bar.at[prev])
+                acc = mg.dot(p_prev, v_smem.at[prev], acc=acc, a_ref=False, sim=interpret)
+                plgpu.barrier_arrive(v_free.at[prev])
+                return acc, m, l
+
+            def overlapped(carry):
+                carry = first(carry)
+                lo = jnp.maximum(n_full, 1)
+                carry = lax.fori_loop(1, lo, functools.partial(step_overlapped, masked=False),
+                                      carry)
+                carry = lax.fori_loop(lo, my_steps,
+                                      functools.partial(step_overlapped, masked=True), carry)
+                return last(carry)
+
+            def skip(s, _):
+                # A tile the other warpgroup needs: release the slot, keep the ping-pong.
+                # The overlapped pipeline releases V one tile late (after two more
+                # rendezvous), so there the rendezvous come before waiting for V.
+                slot = slot_of(s)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                if bs.overlap_softmax:
+                    sync()
+                    sync()
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                if not bs.overlap_softmax:
+                    sync()
+                    sync()
+                return _
+
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            carry = (mg.zeros((bq, d), interpret),
+                     mg.layout(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout, interpret),
+                     mg.layout(jnp.zeros((bq,), jnp.float32), row_layout, interpret))
+            if bs.early_k_wait and not bs.overlap_softmax:
+                pl.when(k_wait_limit > 0)(lambda: plgpu.barrier_wait(k_bar.at[slot_of(0)]))
+            pl.when(wg == 1)(sync)
+            if bs.overlap_softmax:
+                if causal:  # a slab that sees no key (Sq > Skv) skips the pipeline
+                    acc, m, l = lax.cond(my_steps > 0, overlapped, lambda c: c, carry)
+                else:
+                    acc, m, l = overlapped(carry)
+            else:
+                carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+                acc, m, l = lax.fori_loop(n_full, my_steps,
+                                          functools.partial(step, masked=True), carry)
+            lax.fori_loop(my_steps, n_steps, skip, None)
+            pl.when(wg == 0)(sync)
+
+            empty = l == 0.0
+            l_safe = jnp.where(empty, 1.0, l)
+            o = acc * mg.bcast_rows(1.0 / l_safe, acc.shape)
+            lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+            q_tile[...] = o.astype(dtype)  # Q is spent: its buffer stages O
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_tile, o_ref.at[bi, pl.ds(q_base, bq), h],
+                                    commit_group=False)
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, h, pl.ds(q_base, bq)],
+                                    commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+
+        @pl.when(wg < n_wg)
+        def _compute():
+            plgpu.set_max_registers(FWD_REGISTERS[0], action="increase")
+
+            def load_q(i, buf):
+                bi, h, tile_base, _ = coords(i)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(tile_base + wg * bq, bq), h],
+                                        q_smem.at[buf, wg], q_bar.at[buf * n_wg + wg])
+
+            def tile(i, buf, base):
+                bi, h, tile_base, n_steps = coords(i)
+                attend(q_smem.at[buf, wg], bi, h, tile_base, n_steps, base)
+                return n_steps
+
+            mg.consume_tiles(n_mine, n_qbuf, load_q,
+                             lambda buf: plgpu.barrier_wait(q_bar.at[buf * n_wg + wg]), tile)
+
+        @pl.when(wg == n_wg)
+        def _produce_kv():
+            plgpu.set_max_registers(FWD_REGISTERS[1], action="decrease")
+
+            mg.produce_kv_tiles(n_mine, stages, coords, group, bk,
+                                (k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free))
+
+    scratch = [
+        mg.smem((n_qbuf, n_wg, bq, d), dtype),
+        mg.smem((stages, bk, d), dtype), mg.smem((stages, bk, d), dtype),
+        plgpu.SMEM((n_wg, bq), jnp.float32),
+        plgpu.Barrier(num_barriers=n_qbuf * n_wg),
+        plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_wg),
+    ]
+    o, lse = plgpu.kernel(
+        kernel,
+        out_type=[jax.ShapeDtypeStruct(q.shape, dtype),
+                  jax.ShapeDtypeStruct((b, hq, sq_p), jnp.float32)],
+        scratch_types=scratch,
+        grid=(order.programs,),
+        grid_names=("programs",),
+        num_threads=n_wg + 1,
+        thread_name="wg",
+        compiler_params=mg.compiler_params(),
+        interpret=mg.interpret_params(interpret),
+    )(q, k, v)
+    return o, lse
