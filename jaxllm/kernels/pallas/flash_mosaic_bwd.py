@@ -57,12 +57,7 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
             """One CTA tile's dQ: stream its n_steps K/V tiles, ring steps base, ..."""
             slot_of = lambda s: lax.rem(base + s, jnp.int32(stages))
             q_base = tile_base + wg * bq
-            if causal:
-                my_steps = jnp.minimum(mg.cdiv_nonneg(q_base + bq + offset, bk), n_steps)
-                n_full = jnp.minimum(mg.floordiv_nonneg(q_base + offset + 1, bk),
-                                     jnp.minimum(my_steps, skv // bk))
-            else:
-                my_steps, n_full = n_steps, jnp.int32(skv // bk)
+            my_steps, n_full = mg.slab_steps(q_base, bq, bk, offset, n_steps, skv // bk, causal)
             q_tile, do_tile = q_smem.at[buf, wg], do_smem.at[buf, wg]
             lse = mg.load_vec(lse_smem.at[buf, wg], row_layout, sim)  # (bq,) log2 units
             delta = mg.load_vec(delta_smem.at[buf, wg], row_layout, sim)
@@ -71,11 +66,7 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
             def probs(s, sc, masked):
                 sc = sc * c  # (bq, bk), log2 units
                 if masked:
-                    cols = mg.iota((bq, bk), 1, sim) + s * bk
-                    ok = cols < skv
-                    if causal:
-                        ok = ok & (cols <= row_ids)
-                    sc = jnp.where(ok, sc, -jnp.inf)
+                    sc = mg.mask_scores(sc, s * bk, skv, row_ids, causal, sim)
                 return jnp.exp2(sc - mg.bcast_rows(lse, sc.shape))
 
             def step(s, dq, masked):
@@ -151,17 +142,9 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
     ]
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=scratch,
-        grid=(order.programs,),
-        grid_names=("programs",),
-        num_threads=n_wg + 1,
-        thread_name="wg",
-        compiler_params=mg.compiler_params(),
-        interpret=mg.interpret_params(interpret),
-    )(q, k, v, do, lse2, delta)
+    return mg.launch(kernel, jax.ShapeDtypeStruct(q.shape, dtype), scratch,
+                     grid=(order.programs,), grid_names=("programs",), compute_wgs=n_wg,
+                     name="flash_dq", interpret=interpret)(q, k, v, do, lse2, delta)
 
 
 def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpret):
@@ -402,24 +385,20 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
             plgpu.Barrier(num_arrivals=n_wg),
         ]
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-    grid = dict(grid=(n_kt, hkv, b), grid_names=("kv_seq", "heads", "batch"),
-                num_threads=n_wg + 1, thread_name="wg",
-                kernel_name="flash_dkdv_dq" if fuse else "flash_dkdv")
+    launch = functools.partial(mg.launch, grid=(n_kt, hkv, b),
+                               grid_names=("kv_seq", "heads", "batch"), compute_wgs=n_wg,
+                               name="flash_dkdv_dq" if fuse else "flash_dkdv",
+                               interpret=interpret)
     args = (q, k, v, do, lse2, delta)
     if not fuse:
-        return plgpu.kernel(
-            lambda *refs: kernel(*refs[:6], None, *refs[6:]),
-            out_type=[kv_type, kv_type], scratch_types=scratch,
-            compiler_params=mg.compiler_params(),
-            interpret=mg.interpret_params(interpret), **grid)(*args)
+        return launch(lambda *refs: kernel(*refs[:6], None, *refs[6:]),
+                      [kv_type, kv_type], scratch)(*args)
     if sim:
         parts = jax.ShapeDtypeStruct((n_kt * n_parts,) + q.shape, jnp.float32)
-        dk, dv, dq_parts = plgpu.kernel(
+        dk, dv, dq_parts = launch(
             lambda *refs: kernel(*refs[:6], refs[8], *refs[6:8], *refs[9:]),
-            out_type=[kv_type, kv_type, parts], scratch_types=scratch,
-            compiler_params=mg.compiler_params(),
-            interpret=mg.interpret_params(interpret), **grid)(*args)
+            [kv_type, kv_type, parts], scratch)(*args)
         return dk, dv, dq_parts.sum(0)
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-    dk, dv = mg.kernel_with_refs(kernel, [kv_type, kv_type], scratch, **grid)(*args, dq_acc)
+    dk, dv = launch(kernel, [kv_type, kv_type], scratch, with_refs=True)(*args, dq_acc)
     return dk, dv, dq_acc[...]

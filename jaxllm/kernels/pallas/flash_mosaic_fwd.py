@@ -58,13 +58,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             """One CTA tile: stream its n_steps key tiles, ring steps base, base + 1, ..."""
             slot_of = lambda s: lax.rem(base + s, jnp.int32(stages))
             q_base = tile_base + wg * bq
-            if causal:
-                my_steps = jnp.minimum(mg.cdiv_nonneg(q_base + bq + offset, bk), n_steps)
-                n_full = jnp.minimum(mg.floordiv_nonneg(q_base + offset + 1, bk),
-                                     jnp.minimum(my_steps, n_kv_full_tail))
-            else:
-                my_steps = n_steps
-                n_full = jnp.int32(n_kv_full_tail)
+            my_steps, n_full = mg.slab_steps(q_base, bq, bk, offset, n_steps, n_kv_full_tail,
+                                             causal)
             rows = mg.iota((bq, bk), 0, interpret) + (q_base + offset)
 
             def softmax(s, sc, m, masked):
@@ -77,11 +72,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 if not fused:
                     sc = sc * c  # (bq, bk), log2 units
                 if masked:
-                    cols = mg.iota((bq, bk), 1, interpret) + s * bk
-                    ok = cols < skv
-                    if causal:
-                        ok = ok & (cols <= rows)
-                    sc = jnp.where(ok, sc, -jnp.inf)
+                    sc = mg.mask_scores(sc, s * bk, skv, rows, causal, interpret)
                 m_new = jnp.maximum(m, sc.max(axis=1) * c if fused else sc.max(axis=1))
                 # Rows with every key masked so far keep m = -inf: shift by 0, not -inf.
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
@@ -261,16 +252,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg),
     ]
-    o, lse = plgpu.kernel(
-        kernel,
-        out_type=[jax.ShapeDtypeStruct(q.shape, dtype),
-                  jax.ShapeDtypeStruct((b, hq, sq_p), jnp.float32)],
-        scratch_types=scratch,
-        grid=(order.programs,),
-        grid_names=("programs",),
-        num_threads=n_wg + 1,
-        thread_name="wg",
-        compiler_params=mg.compiler_params(),
-        interpret=mg.interpret_params(interpret),
-    )(q, k, v)
-    return o, lse
+    out_type = [jax.ShapeDtypeStruct(q.shape, dtype),
+                jax.ShapeDtypeStruct((b, hq, sq_p), jnp.float32)]
+    return mg.launch(kernel, out_type, scratch, grid=(order.programs,), grid_names=("programs",),
+                     compute_wgs=n_wg, name="flash_fwd", interpret=interpret)(q, k, v)

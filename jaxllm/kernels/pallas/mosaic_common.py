@@ -43,6 +43,29 @@ def floordiv_nonneg(x, m: int):
     return lax.div(jnp.maximum(x, 0), jnp.int32(m))
 
 
+def slab_steps(first_row, rows, bk, offset, n_steps, n_unpadded, causal: bool):
+    """(key tiles a slab of `rows` query rows from first_row streams, how many of the
+    first of them need no mask) in a stream of n_steps key tiles of bk keys, of which
+    the first n_unpadded hold no padded key; causal rows r see keys <= r + offset."""
+    if not causal:
+        return n_steps, jnp.int32(n_unpadded)
+    my_steps = jnp.minimum(cdiv_nonneg(first_row + rows + offset, bk), n_steps)
+    n_full = jnp.minimum(floordiv_nonneg(first_row + offset + 1, bk),
+                         jnp.minimum(my_steps, n_unpadded))
+    return my_steps, n_full
+
+
+def mask_scores(sc, first_key, skv, last_key, causal: bool, sim: bool):
+    """Scores sc (rows, keys) of keys first_key, first_key + 1, ... with -inf where the
+    key is padding (>= skv) or, causal, after the row's last visible key (last_key, an
+    array of sc's shape)."""
+    cols = iota(sc.shape, 1, sim) + first_key
+    ok = cols < skv
+    if causal:
+        ok = ok & (cols <= last_key)
+    return jnp.where(ok, sc, -jnp.inf)
+
+
 def clip(x, lo, hi):
     return jnp.minimum(jnp.maximum(x, lo), hi)
 
@@ -333,16 +356,28 @@ def interpret_params(interpret):
     return params()
 
 
-def kernel_with_refs(body, out_type, scratch, *, grid, grid_names, num_threads, thread_name,
-                     kernel_name):
-    """Like plgpu.kernel, but the call may also take JAX refs (`jax.new_ref`), which the
-    kernel reads and writes in place (aliased in and out); body(*inputs, *outputs,
-    *scratch) as for plgpu.kernel. Compiled kernels only: the simulator aliases nothing."""
-    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=num_threads,
-                      thread_name=thread_name)
+def launch(body, out_type, scratch, *, grid, grid_names, compute_wgs, name, interpret,
+           with_refs=False):
+    """A warp-specialised kernel: `compute_wgs` compute warpgroups and one producer, the
+    thread axis named "wg"; body(*inputs, *outputs, *scratch) as for plgpu.kernel.
+
+    with_refs: the call may also take JAX refs (`jax.new_ref`), which the kernel reads
+    and writes in place (aliased in and out). plgpu.kernel does not take refs, so this
+    goes through pl.kernel on a plgpu.Mesh; compiled kernels only (the simulator aliases
+    nothing)."""
+    if not with_refs:
+        return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
+                            grid_names=grid_names, num_threads=compute_wgs + 1,
+                            thread_name="wg", kernel_name=name,
+                            compiler_params=compiler_params(),
+                            interpret=interpret_params(interpret))
+    if interpret:
+        raise ValueError("the Mosaic GPU simulator does not alias refs into kernels")
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=compute_wgs + 1,
+                      thread_name="wg")
 
     def with_scratch(*refs):
-        pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes=thread_name)
+        pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg")
 
     return pl.kernel(with_scratch, out_type=out_type, mesh=mesh,
-                     compiler_params=compiler_params(), name=kernel_name)
+                     compiler_params=compiler_params(), name=name)
