@@ -88,7 +88,8 @@ class BlockSizes:
       formed while dV += P^T dO runs).
     fused_dq: backward; no dq kernel: the dk/dv kernel also forms dQ += dS K from its
       dS and adds it into a float32 buffer with TMA reductions (5 matmuls a tile pair
-      instead of 7; D <= 128).
+      instead of 7; D <= 128). Off by default: on the H200 it measured slower than the
+      two kernels at D = 128 and level at D = 64 (docs/benchmarks.md).
     block_q_dq / block_kv_dq, block_q_dkv / block_kv_dkv: the backward kernels' tiles
     (the owned side per warpgroup and the streamed side); compute_wgs_bwd warpgroups a CTA.
     """
