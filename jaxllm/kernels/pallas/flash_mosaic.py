@@ -35,10 +35,10 @@ tail) pay for one. A warpgroup whose slab sees fewer tiles than its CTA's stream
 waits on and releases the extra slots, so the ring's barriers stay in phase. Lengths
 that are not tile multiples are zero-padded here; padded keys are masked wherever their
 scores are used (forward, dq), their dk/dv rows are dropped, and padded query rows add
-nothing to dk/dv (Q = dO = 0 there). The forward kernel is in flash_mosaic_fwd.py, the
-backward kernels in flash_mosaic_bwd.py, the shared building blocks in mosaic_common.py;
-this module holds the tiles (BlockSizes), the padding and the custom VJP. A query row that sees no key (causal,
-Sq > Skv) gets o = 0 and LSE = -inf.
+nothing to dk/dv (Q = dO = 0 there). A query row that sees no key (causal, Sq > Skv)
+gets o = 0 and LSE = -inf. The forward kernel is in flash_mosaic_fwd.py, the backward
+kernels in flash_mosaic_bwd.py, the shared building blocks in mosaic_common.py; this
+module holds the tiles (BlockSizes), the padding and the custom VJP.
 
 On the CPU the kernels run in JAX's Mosaic GPU simulator (slow; small shapes only).
 """
@@ -147,7 +147,7 @@ def _flash_fwd(q, k, v, causal, scale, bs, interpret):
     qp = mg.pad_axis(q, 1, sq_p)
     kp, vp = mg.pad_axis(k, 1, skv_p), mg.pad_axis(v, 1, skv_p)
     o, lse = forward(qp, kp, vp, causal=causal, scale=scale, bs=bs, skv=skv,
-                      offset=skv - sq, interpret=interpret)
+                     offset=skv - sq, interpret=interpret)
     o, lse = o[:, :sq], lse[:, :, :sq]
     return (o, lse), (q, k, v, o, lse)
 

@@ -202,7 +202,8 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
             key_ids = mg.iota((bk, bq), 0, sim) + (kv_base - offset)
 
             if fuse:
-                ds_smem, dq_stage, ds_bar, done_bar = fused_scratch
+                ds_smem, dq_stage, *split_bars = fused_scratch
+                ds_bar, done_bar = split_bars if split_d else (None, None)
                 cols = pl.ds(wg * dq_cols if split_d else 0, dq_cols)
                 if split_d:  # this warpgroup multiplies every warpgroup's K tile
                     for j in range(n_wg):
@@ -381,9 +382,10 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
         scratch += [
             mg.smem((2 if split_d else 1, n_wg, bk, bq), dtype),  # dS^T, double-buffered
             mg.smem((n_wg, bq, dq_cols), jnp.float32),  # dQ staged for the TMA reduction
-            plgpu.Barrier(num_arrivals=n_wg, num_barriers=2),
-            plgpu.Barrier(num_arrivals=n_wg),
         ]
+        if split_d:  # dS published (per buffer); both warpgroups done with the K tiles
+            scratch += [plgpu.Barrier(num_arrivals=n_wg, num_barriers=2),
+                        plgpu.Barrier(num_arrivals=n_wg)]
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
     launch = functools.partial(mg.launch, grid=(n_kt, hkv, b),
                                grid_names=("kv_seq", "heads", "batch"), compute_wgs=n_wg,
