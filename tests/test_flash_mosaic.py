@@ -113,9 +113,11 @@ def test_grid_and_backward_options(shape, causal, opts):
     # the default 128-key tiles over 100 keys: one tile, a stream shorter than the ring
     ({}, True, 128, 64, 100),
     # 3 query tiles over 2 persistent programs: one runs two, the other one
-    (dict(block_kv=64), True, 64, 384, 400)],
+    (dict(block_kv=64), True, 64, 384, 400),
+    # 192-key tiles: the persistent programs keep one Q buffer (shared memory)
+    (dict(block_kv=192), False, 128, 256, 400)],
     ids=["overlap_softmax", "early_k_wait_sum_before_sync", "default_full_d128",
-         "one_key_tile", "persistent_odd_tiles"])
+         "one_key_tile", "persistent_odd_tiles", "kv192_one_q_buffer"])
 def test_forward_schedule_options(opts, causal, d, sq, skv):
     # Same arithmetic, other wgmma/barrier order: the simulator checks the ring's barriers
     # (both slabs, a tile only one of them sees, masked and unmasked tiles).
@@ -176,6 +178,10 @@ def test_bad_inputs_raise():
     q = q.astype(jnp.bfloat16)
     with pytest.raises(ValueError, match="block_kv=96 must be a positive multiple of 64"):
         flash_mosaic.flash_attention(q, q, q, block_kv=96)
+    with pytest.raises(ValueError, match="KiB of shared memory at head_dim=128"):
+        flash_mosaic.flash_attention(jnp.ones((1, 8, 2, 128), jnp.bfloat16),
+                                     jnp.ones((1, 8, 2, 128), jnp.bfloat16),
+                                     jnp.ones((1, 8, 2, 128), jnp.bfloat16), block_kv=256)
     with pytest.raises(ValueError, match="unknown pallas_mosaic options"):
         flash_mosaic.flash_attention(q, q, q, blok_q=64)
     q = jnp.ones((1, 8, 2, 256), jnp.bfloat16)

@@ -71,10 +71,11 @@ def test_flash_triton_forward_and_backward_lower():
     (128, 100, {}),  # one 128-key tile: the forward's ring shrinks to its stream
     (128, 384, dict(early_k_wait=True, sum_before_sync=True)),
     (128, 384, dict(persistent=True)),  # Q double-buffered
+    (128, 384, dict(block_kv=192)),  # one Q buffer: the 192-key ring takes 192 KiB
     (256, 384, dict(persistent=True)),  # one Q buffer
     (128, 384, dict(fused_dq=True)),  # dQ from dk/dv, TMA reductions into an aliased ref
     (64, 384, dict(fused_dq=True, overlap_bwd=False))],
-    ids=["d128", "d64", "d256", "one_key_tile", "early_k_wait", "persistent_d128",
+    ids=["d128", "d64", "d256", "one_key_tile", "early_k_wait", "persistent_d128", "kv192",
          "persistent_d256", "fused_dq_d128", "fused_dq_d64_serial"])
 def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
     # Mosaic GPU lowers on any machine too; the simulator the CPU tests use never sees the

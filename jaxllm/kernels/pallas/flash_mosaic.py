@@ -125,14 +125,17 @@ class BlockSizes:
 # ----------------------------------------------------------------------------- public API
 
 
-def _tiles(sq: int, skv: int, bs: BlockSizes) -> tuple[BlockSizes, int, int]:
-    """Clamp the key tiles to short sequences; the padded lengths every kernel divides."""
+def _tiles(sq: int, skv: int, bs: BlockSizes, backward: bool) -> tuple[BlockSizes, int, int]:
+    """Clamp the key tiles to short sequences; the padded (Sq, Skv) that the forward
+    kernel's tiles (or, `backward`, both backward kernels' tiles) divide."""
     kv_cap = mg.round_up(skv, 64)
     bs = dataclasses.replace(bs, block_kv=min(bs.block_kv, kv_cap),
                              block_kv_dq=min(bs.block_kv_dq, kv_cap))
+    if not backward:
+        return bs, mg.round_up(sq, 2 * bs.block_q), mg.round_up(skv, bs.block_kv)
     n_wg = bs.compute_wgs_bwd
-    q_mult = math.lcm(2 * bs.block_q, n_wg * bs.block_q_dq, bs.block_q_dkv)
-    kv_mult = math.lcm(bs.block_kv, bs.block_kv_dq, n_wg * bs.block_kv_dkv)
+    q_mult = math.lcm(n_wg * bs.block_q_dq, bs.block_q_dkv)
+    kv_mult = math.lcm(bs.block_kv_dq, n_wg * bs.block_kv_dkv)
     return bs, mg.round_up(sq, q_mult), mg.round_up(skv, kv_mult)
 
 
@@ -143,7 +146,7 @@ def _flash(q, k, v, causal, scale, bs, interpret):
 
 def _flash_fwd(q, k, v, causal, scale, bs, interpret):
     sq, skv = q.shape[1], k.shape[1]
-    bs, sq_p, skv_p = _tiles(sq, skv, bs)
+    bs, sq_p, skv_p = _tiles(sq, skv, bs, backward=False)
     qp = mg.pad_axis(q, 1, sq_p)
     kp, vp = mg.pad_axis(k, 1, skv_p), mg.pad_axis(v, 1, skv_p)
     o, lse = forward(qp, kp, vp, causal=causal, scale=scale, bs=bs, skv=skv,
@@ -156,7 +159,7 @@ def _flash_bwd(causal, scale, bs, interpret, res, cts):
     q, k, v, o, lse = res
     do, dlse = cts
     sq, skv = q.shape[1], k.shape[1]
-    bs, sq_p, skv_p = _tiles(sq, skv, bs)
+    bs, sq_p, skv_p = _tiles(sq, skv, bs, backward=True)
     # delta = rowsum(dO * O) minus the LSE cotangent (d lse / d s = p). Rows that see no
     # key have LSE -inf; +inf makes their P exactly 0.
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
@@ -218,6 +221,12 @@ def _block_sizes(head_dim: int, kwargs: dict, causal: bool = True) -> BlockSizes
         raise ValueError(f"unknown pallas_mosaic options {unknown}; valid: "
                          f"block_sizes, {sorted(names)}")
     bs = dataclasses.replace(bs, **kwargs)
+    fwd_bytes = 2 * (2 * bs.num_stages * bs.block_kv + 2 * bs.block_q) * head_dim
+    if fwd_bytes > mg.SMEM_BUDGET:
+        raise ValueError(f"the forward's tiles (Q: 2 x block_q={bs.block_q} rows; K/V ring: "
+                         f"num_stages={bs.num_stages} x block_kv={bs.block_kv} keys) take "
+                         f"{fwd_bytes // 1024} KiB of shared memory at head_dim={head_dim}; "
+                         f"a CTA has {mg.SMEM_BUDGET // 1024} KiB")
     if bs.fused_dq and head_dim > 128:
         raise ValueError(f"fused_dq takes head_dim <= 128 (the dQ accumulator and the staged "
                          f"dS do not fit beside dK and dV); got head_dim={head_dim}")

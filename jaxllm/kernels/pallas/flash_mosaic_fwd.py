@@ -34,12 +34,15 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     stages = min(stages, n_kv)
     n_kv_full_tail = skv // bk  # key tiles without padded keys
     c = scale * LOG2E
-    dtype = q.dtype
+    dtype = jnp.dtype(q.dtype)
     order = mg.TileSchedule(n_qt, hq, b, causal=causal, persistent=bs.persistent,
                             sim=interpret)
     # A program that runs several tiles double-buffers Q (the next tile's Q loads during
-    # this one) where shared memory allows: not at D = 256.
-    n_qbuf = 2 if order.multi and d <= 128 else 1
+    # this one) where shared memory allows: not at D = 256, nor beside a ring of
+    # 192-key tiles at D = 128.
+    ring_bytes = 2 * stages * bk * d * dtype.itemsize
+    q_bytes = n_wg * bq * d * dtype.itemsize
+    n_qbuf = 2 if order.multi and ring_bytes + 2 * q_bytes <= mg.SMEM_BUDGET else 1
 
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                q_bar, k_bar, v_bar, k_free, v_free, sched):
@@ -255,4 +258,5 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((b, hq, sq_p), jnp.float32)]
     return mg.launch(kernel, out_type, scratch, grid=(order.programs,), grid_names=("programs",),
-                     compute_wgs=n_wg, name="flash_fwd", interpret=interpret)(q, k, v)
+                     compute_wgs=n_wg, name="flash_fwd", interpret=interpret,
+                     reduction_scratch=0)(q, k, v)

@@ -20,6 +20,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# Shared memory a CTA may use on Hopper (227 KiB), less 2 KiB for barriers and row
+# statistics: what a kernel's tiles and rings must fit in.
+SMEM_BUDGET = 225 * 1024
 
 
 def round_up(x: int, m: int) -> int:
@@ -343,8 +346,12 @@ class TileSchedule:
         return tile, h, bi
 
 
-def compiler_params():
-    return plgpu.CompilerParams(approx_math=True)
+def compiler_params(reduction_scratch=None):
+    """approx_math; `reduction_scratch`: shared-memory bytes reserved for cross-warp
+    reductions (None: Mosaic's default, 2 KiB). A kernel whose reductions stay inside a
+    warp (rows of a wgmma tile) can pass 0 and give those bytes to its tiles."""
+    extra = {} if reduction_scratch is None else dict(reduction_scratch_bytes=reduction_scratch)
+    return plgpu.CompilerParams(approx_math=True, **extra)
 
 
 def interpret_params(interpret):
@@ -357,19 +364,20 @@ def interpret_params(interpret):
 
 
 def launch(body, out_type, scratch, *, grid, grid_names, compute_wgs, name, interpret,
-           with_refs=False):
+           with_refs=False, reduction_scratch=None):
     """A warp-specialised kernel: `compute_wgs` compute warpgroups and one producer, the
     thread axis named "wg"; body(*inputs, *outputs, *scratch) as for plgpu.kernel.
 
     with_refs: the call may also take JAX refs (`jax.new_ref`), which the kernel reads
     and writes in place (aliased in and out). plgpu.kernel does not take refs, so this
     goes through pl.kernel on a plgpu.Mesh; compiled kernels only (the simulator aliases
-    nothing)."""
+    nothing). reduction_scratch: see compiler_params."""
+    params = compiler_params(reduction_scratch)
     if not with_refs:
         return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
                             grid_names=grid_names, num_threads=compute_wgs + 1,
                             thread_name="wg", kernel_name=name,
-                            compiler_params=compiler_params(),
+                            compiler_params=params,
                             interpret=interpret_params(interpret))
     if interpret:
         raise ValueError("the Mosaic GPU simulator does not alias refs into kernels")
@@ -380,4 +388,4 @@ def launch(body, out_type, scratch, *, grid, grid_names, compute_wgs, name, inte
         pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg")
 
     return pl.kernel(with_scratch, out_type=out_type, mesh=mesh,
-                     compiler_params=compiler_params(), name=name)
+                     compiler_params=params, name=name)
