@@ -114,8 +114,9 @@ def test_grid_and_backward_options(shape, causal, opts):
     ({}, True, 128, 64, 100),
     # 3 query tiles over 2 persistent programs: one runs two, the other one
     (dict(block_kv=64), True, 64, 384, 400),
-    # 192-key tiles: the persistent programs keep one Q buffer (shared memory)
-    (dict(block_kv=192), False, 128, 256, 400)],
+    # 192-key tiles: 3 query tiles over 2 persistent programs with one Q buffer (two
+    # do not fit in shared memory beside the ring)
+    (dict(block_kv=192), False, 128, 384, 400)],
     ids=["overlap_softmax", "early_k_wait_sum_before_sync", "default_full_d128",
          "one_key_tile", "persistent_odd_tiles", "kv192_one_q_buffer"])
 def test_forward_schedule_options(opts, causal, d, sq, skv):

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jaxllm.kernels.pallas import mosaic_common as mg
 from jaxllm.kernels.pallas.flash_mosaic_bwd import dkdv_kernel, dq_kernel
 from jaxllm.kernels.pallas.flash_mosaic_fwd import forward
+from jaxllm.kernels.pallas.flash_mosaic_fwd import tile_bytes as fwd_tile_bytes
 from jaxllm.kernels.pallas.mosaic_common import LOG2E
 
 HEAD_DIMS = (64, 128, 256)
@@ -221,7 +222,7 @@ def _block_sizes(head_dim: int, kwargs: dict, causal: bool = True) -> BlockSizes
         raise ValueError(f"unknown pallas_mosaic options {unknown}; valid: "
                          f"block_sizes, {sorted(names)}")
     bs = dataclasses.replace(bs, **kwargs)
-    fwd_bytes = 2 * (2 * bs.num_stages * bs.block_kv + 2 * bs.block_q) * head_dim
+    fwd_bytes = fwd_tile_bytes(bs.block_q, bs.block_kv, bs.num_stages, head_dim)
     if fwd_bytes > mg.SMEM_BUDGET:
         raise ValueError(f"the forward's tiles (Q: 2 x block_q={bs.block_q} rows; K/V ring: "
                          f"num_stages={bs.num_stages} x block_kv={bs.block_kv} keys) take "

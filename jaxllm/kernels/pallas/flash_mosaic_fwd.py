@@ -19,6 +19,13 @@ from jaxllm.kernels.pallas.mosaic_common import LN2, LOG2E
 # Registers a thread of the forward's compute / producer warpgroups (2 x 128 compute
 # threads and 128 producer threads must fit the SM's 64K registers).
 FWD_REGISTERS = (232, 40)
+N_WG = 2  # compute warpgroups a CTA
+
+
+def tile_bytes(block_q: int, block_kv: int, stages: int, d: int, itemsize: int = 2,
+               q_buffers: int = 1) -> int:
+    """Shared memory of the forward's Q tiles (q_buffers of them) and its K/V ring."""
+    return (q_buffers * N_WG * block_q + 2 * stages * block_kv) * d * itemsize
 
 
 def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
@@ -27,7 +34,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     skv_p, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
     bq, bk, stages = bs.block_q, bs.block_kv, bs.num_stages
-    n_wg = 2
+    n_wg = N_WG
     n_qt, n_kv = sq_p // (n_wg * bq), skv_p // bk
     # A ring deeper than the stream would slice tiles past the keys while tracing the
     # producer's (never taken) prologue copies.
@@ -40,9 +47,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     # A program that runs several tiles double-buffers Q (the next tile's Q loads during
     # this one) where shared memory allows: not at D = 256, nor beside a ring of
     # 192-key tiles at D = 128.
-    ring_bytes = 2 * stages * bk * d * dtype.itemsize
-    q_bytes = n_wg * bq * d * dtype.itemsize
-    n_qbuf = 2 if order.multi and ring_bytes + 2 * q_bytes <= mg.SMEM_BUDGET else 1
+    fits_two = tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=2) <= mg.SMEM_BUDGET
+    n_qbuf = 2 if order.multi and fits_two else 1
 
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                q_bar, k_bar, v_bar, k_free, v_free, sched):
