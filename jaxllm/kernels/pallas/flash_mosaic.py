@@ -81,8 +81,9 @@ class BlockSizes:
       work items pid, pid + #SMs, ... (causal: heaviest tiles first, dealt in rounds of
       alternating direction; see mosaic_common.TileSchedule): the producer streams the
       next tile's K/V into the ring while the consumers finish the last, and the next
-      tile's Q loads during this one (D <= 128), so a CTA's start-up and epilogue no
-      longer leave the SM idle.
+      tile's Q loads during this one (where two Q buffers fit beside the ring: D <= 128
+      with the default tiles), so a CTA's start-up and epilogue no longer leave the SM
+      idle.
     persistent_dq: the same for the dq kernel (its Q, dO, LSE and delta tiles).
     overlap_bwd: backward; issue S = Q K^T and dP = dO V^T (dk/dv: their transposes)
       together, so the exponentials run while dP is in flight (and, in dk/dv, dS^T is
