@@ -222,6 +222,19 @@ def test_gpu_long_bf16(name, opts, causal):
 
 
 @hopper_only
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("name, opts", [
+    ("gqa4_d128", {}), ("gqa4_d128", dict(num_stages=3)), ("mqa_d64_sq_lt_skv", {}),
+    ("sq_gt_skv", {}),  # causal: the two CTAs of a cluster stream for the longer tile
+    ("mha_d256", {})],  # 7 query tiles: no pairs, so no clusters
+    ids=["gqa4_d128", "gqa4_d128_3_stages", "mqa_d64_sq_lt_skv", "sq_gt_skv", "mha_d256"])
+def test_gpu_kv_multicast(name, opts, causal):
+    # clusters of two CTAs sharing each K/V tile by TMA multicast (the simulator has no
+    # clusters, so this runs on the GPU only)
+    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2, kv_multicast=True, **opts)
+
+
+@hopper_only
 def test_gpu_dispatch():
     q, k, v, *_ = flash_inputs(2, 2, 512, 512, 8, 2, 128, True, jnp.bfloat16)
     out = flash_attention(q, k, v, causal=True, impl="pallas_mosaic")

@@ -74,9 +74,10 @@ def test_flash_triton_forward_and_backward_lower():
     (128, 384, dict(block_kv=192)),  # one Q buffer: the 192-key ring takes 192 KiB
     (256, 384, dict(persistent=True)),  # one Q buffer
     (128, 384, dict(fused_dq=True)),  # dQ from dk/dv, TMA reductions into an aliased ref
+    (128, 384, dict(kv_multicast=True)),  # 2 query tiles: one cluster, K/V multicast
     (64, 384, dict(fused_dq=True, overlap_bwd=False))],
     ids=["d128", "d64", "d256", "one_key_tile", "early_k_wait", "persistent_d128", "kv192",
-         "persistent_d256", "fused_dq_d128", "fused_dq_d64_serial"])
+         "persistent_d256", "fused_dq_d128", "fused_dq_d64_serial", "kv_multicast"])
 def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
     # Mosaic GPU lowers on any machine too; the simulator the CPU tests use never sees the
     # wgmma/TMA lowering.

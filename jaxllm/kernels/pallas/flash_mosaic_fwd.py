@@ -42,8 +42,12 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     n_kv_full_tail = skv // bk  # key tiles without padded keys
     c = scale * LOG2E
     dtype = jnp.dtype(q.dtype)
-    order = mg.TileSchedule(n_qt, hq, b, causal=causal, persistent=bs.persistent,
-                            sim=interpret)
+    # kv_multicast: CTAs in clusters of two on neighbouring query tiles of one head, each
+    # K/V tile loaded once from L2 and multicast into both CTAs' rings (not simulated)
+    mc = 2 if bs.kv_multicast and not interpret and n_qt % 2 == 0 else 1
+    sms = None if mc == 1 else int(getattr(jax.devices()[0], "core_count", 0) or 132) // mc
+    order = mg.TileSchedule(n_qt // mc, hq, b, causal=causal, persistent=bs.persistent,
+                            sim=interpret, sms=sms)
     # A program that runs several tiles double-buffers Q (the next tile's Q loads during
     # this one) where shared memory allows: not at D = 256, nor beside a ring of
     # 192-key tiles at D = 128.
@@ -55,8 +59,13 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
         pid, wg = lax.axis_index("programs"), lax.axis_index("wg")
         n_mine = order.count(pid)
 
-        coords = functools.partial(order.query_tile, pid, rows=n_wg * bq, bk=bk, n_kv=n_kv,
-                                   offset=offset)
+        rank = lax.axis_index("cluster") if mc > 1 else 0
+
+        def coords(i):
+            """The CTA's tile: its rank's half of the cluster's, whose stream both share."""
+            bi, h, first, n_steps = order.query_tile(pid, i, rows=mc * n_wg * bq, bk=bk,
+                                                     n_kv=n_kv, offset=offset)
+            return bi, h, first + rank * (n_wg * bq), n_steps
 
         def sync():
             if bs.schedule_barrier:
@@ -249,20 +258,24 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             plgpu.set_max_registers(FWD_REGISTERS[1], action="decrease")
 
             mg.produce_kv_tiles(n_mine, stages, coords, group, bk,
-                                (k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free))
+                                (k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free),
+                                collective="cluster" if mc > 1 else None)
 
+    # a multicast slot is free once the consumers of both CTAs have released it
+    free_barrier = (plgpu.Barrier if mc == 1 else
+                    functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",)))
     scratch = [
         mg.smem((n_qbuf, n_wg, bq, d), dtype),
         mg.smem((stages, bk, d), dtype), mg.smem((stages, bk, d), dtype),
         plgpu.SMEM((n_wg, bq), jnp.float32),
         plgpu.Barrier(num_barriers=n_qbuf * n_wg),
         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
+        free_barrier(num_arrivals=n_wg, num_barriers=stages),
+        free_barrier(num_arrivals=n_wg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg),
     ]
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((b, hq, sq_p), jnp.float32)]
     return mg.launch(kernel, out_type, scratch, grid=(order.programs,), grid_names=("programs",),
-                     compute_wgs=n_wg, name="flash_fwd", interpret=interpret,
+                     compute_wgs=n_wg, name="flash_fwd", interpret=interpret, cluster=mc,
                      reduction_scratch=0)(q, k, v)

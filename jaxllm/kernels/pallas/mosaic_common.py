@@ -219,7 +219,7 @@ def produce(n_steps, stages, groups):
             plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
 
 
-def produce_steps(base, n_steps, stages, groups):
+def produce_steps(base, n_steps, stages, groups, collective=None):
     """Producer of a persistent program: the n_steps tiles of one work item go to ring
     steps base, base + 1, ... (slot = step % stages); from step `stages` on a slot is
     reused once its consumers have freed it. groups as in `produce`."""
@@ -230,7 +230,8 @@ def produce_steps(base, n_steps, stages, groups):
         for loaded, free, copies in groups:
             pl.when(step >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
             for src_fn, ring in copies:
-                plgpu.copy_gmem_to_smem(src_fn(s), ring.at[slot], loaded.at[slot])
+                plgpu.copy_gmem_to_smem(src_fn(s), ring.at[slot], loaded.at[slot],
+                                        collective_axes=collective)
 
 
 def drain(total, stages, frees):
@@ -242,7 +243,7 @@ def drain(total, stages, frees):
             plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
 
 
-def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams):
+def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams, collective=None):
     """Producer of a query-tiled program (forward, dq): coords(i) -> (batch, head, _,
     steps) of its tile i, whose key tiles of kv head head // group stream through
     each of `streams`: (GMEM ref [B, S, Hkv, D], ring, loaded barriers, free barriers).
@@ -253,7 +254,7 @@ def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams):
         groups = [(loaded, free, [(lambda s, ref=ref: ref.at[bi, pl.ds(s * bk, bk), kv_h],
                                    ring)])
                   for ref, ring, loaded, free in streams]
-        produce_steps(base, n_steps, stages, groups)
+        produce_steps(base, n_steps, stages, groups, collective)
         return base + n_steps
     drain(lax.fori_loop(0, n_tiles, tile, jnp.int32(0)), stages,
           [free for *_, free in streams])
@@ -364,7 +365,7 @@ def interpret_params(interpret):
 
 
 def launch(body, out_type, scratch, *, grid, grid_names, compute_wgs, name, interpret,
-           with_refs=False, reduction_scratch=None):
+           with_refs=False, reduction_scratch=None, cluster=1):
     """A warp-specialised kernel: `compute_wgs` compute warpgroups and one producer, the
     thread axis named "wg"; body(*inputs, *outputs, *scratch) as for plgpu.kernel.
 
@@ -373,9 +374,11 @@ def launch(body, out_type, scratch, *, grid, grid_names, compute_wgs, name, inte
     goes through pl.kernel on a plgpu.Mesh; compiled kernels only (the simulator aliases
     nothing). reduction_scratch: see compiler_params."""
     params = compiler_params(reduction_scratch)
+    # cluster > 1: CTAs in clusters of `cluster` along a "cluster" axis (beside the grid)
+    clusters = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
     if not with_refs:
         return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
-                            grid_names=grid_names, num_threads=compute_wgs + 1,
+                            grid_names=grid_names, num_threads=compute_wgs + 1, **clusters,
                             thread_name="wg", kernel_name=name,
                             compiler_params=params,
                             interpret=interpret_params(interpret))
