@@ -52,6 +52,9 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
     "mosaic grid serial-bwd": dict(persistent=False, persistent_dq=False, overlap_bwd=False),
     # dQ formed by the dk/dv kernel and added with TMA reductions (no dq kernel)
     "mosaic fused-dq": dict(fused_dq=True),
+    # clusters of two CTAs sharing each K/V tile by TMA multicast (forward)
+    "mosaic multicast": dict(kv_multicast=True),
+    "mosaic multicast st3": dict(kv_multicast=True, num_stages=3),
 }
 # --headline: B=4 S=4096 D=128 only, cuDNN and the variants not skipped here (no
 # pallas_triton); the default and the new forward schedules also get a correctness check.
