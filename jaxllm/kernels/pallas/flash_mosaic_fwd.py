@@ -45,9 +45,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     # kv_multicast: CTAs in clusters of two on neighbouring query tiles of one head, each
     # K/V tile loaded once from L2 and multicast into both CTAs' rings (not simulated)
     mc = 2 if bs.kv_multicast and not interpret and n_qt % 2 == 0 else 1
-    sms = None if mc == 1 else int(getattr(jax.devices()[0], "core_count", 0) or 132) // mc
     order = mg.TileSchedule(n_qt // mc, hq, b, causal=causal, persistent=bs.persistent,
-                            sim=interpret, sms=sms)
+                            sim=interpret, cluster=mc)
     # A program that runs several tiles double-buffers Q (the next tile's Q loads during
     # this one) where shared memory allows: not at D = 256, nor beside a ring of
     # 192-key tiles at D = 128.

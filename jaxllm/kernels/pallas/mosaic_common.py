@@ -222,7 +222,9 @@ def produce(n_steps, stages, groups):
 def produce_steps(base, n_steps, stages, groups, collective=None):
     """Producer of a persistent program: the n_steps tiles of one work item go to ring
     steps base, base + 1, ... (slot = step % stages); from step `stages` on a slot is
-    reused once its consumers have freed it. groups as in `produce`."""
+    reused once its consumers have freed it. groups as in `produce`; `collective`: the
+    cluster axis the copies are multicast along (their free barriers then count the
+    consumers of every CTA of the cluster)."""
     @pl.loop(0, n_steps)
     def _(s):
         step = base + s
@@ -247,7 +249,7 @@ def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams, collective=No
     """Producer of a query-tiled program (forward, dq): coords(i) -> (batch, head, _,
     steps) of its tile i, whose key tiles of kv head head // group stream through
     each of `streams`: (GMEM ref [B, S, Hkv, D], ring, loaded barriers, free barriers).
-    Tile i's steps follow tile i - 1's on the ring."""
+    Tile i's steps follow tile i - 1's on the ring; `collective` as in produce_steps."""
     def tile(i, base):
         bi, h, _, n_steps = coords(i)
         kv_h = lax.div(h, jnp.int32(group))
@@ -292,15 +294,16 @@ class TileSchedule:
 
     Plain: one program per tile, tile index fastest (the CTAs running together share
     K/V heads in L2); when causal the last tiles (most keys) come first. Persistent: one
-    program per SM (2 under the simulator, so each runs several), program pid running
-    tiles pid, pid + programs, ... of the same order. Causal work grows with the tile
+    program per SM, or per `cluster` SMs for programs that are clusters of CTAs (2
+    programs under the simulator, so each runs several), program pid running tiles pid,
+    pid + programs, ... of the same order. Causal work grows with the tile
     index, so there a static split is balanced another way: all heads' heaviest tiles
     first, dealt in rounds of alternating direction (round r to programs 0..P-1, round
     r + 1 to P-1..0), which evens out each program's total.
     """
 
     def __init__(self, n_t: int, heads: int, batch: int, *, causal: bool,
-                 persistent: bool, sim: bool, sms: int | None = None):
+                 persistent: bool, sim: bool, sms: int | None = None, cluster: int = 1):
         self.n_t, self.heads, self.causal = n_t, heads, causal
         self.snake = causal and persistent
         self.n_items = n_t * heads * batch
@@ -308,7 +311,7 @@ class TileSchedule:
         if persistent:
             if sms is None:
                 sms = 2 if sim else int(getattr(jax.devices()[0], "core_count", 0) or 132)
-            self.programs = min(self.n_items, sms)
+            self.programs = min(self.n_items, sms // cluster)  # programs of `cluster` CTAs
         self.multi = self.programs < self.n_items  # some program runs several tiles
 
     def count(self, pid):
@@ -374,6 +377,8 @@ def launch(body, out_type, scratch, *, grid, grid_names, compute_wgs, name, inte
     goes through pl.kernel on a plgpu.Mesh; compiled kernels only (the simulator aliases
     nothing). reduction_scratch: see compiler_params."""
     params = compiler_params(reduction_scratch)
+    if with_refs and cluster > 1:
+        raise ValueError("clusters are not supported together with refs")
     # cluster > 1: CTAs in clusters of `cluster` along a "cluster" axis (beside the grid)
     clusters = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
     if not with_refs:
