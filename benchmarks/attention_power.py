@@ -11,6 +11,9 @@ each implementation's time, TFLOP/s (FLOPs as in benchmarks/attention.py), media
 clock and power, the throttle reasons seen, and against the first implementation its
 speed (inverse time ratio), its clock, and its speed a clock cycle (speed / clock).
 
+An entry of `--impls` is an implementation of `jaxllm.kernels.flash_attention` or the
+name of a `pallas_mosaic` variant in benchmarks/mosaic_check.py (e.g. "mosaic multicast").
+
   PYTHONPATH=. python3 benchmarks/attention_power.py [--shape 4,4096,32,8,128]
       [--impls cudnn,pallas_mosaic] [--masks full,causal] [--seconds 4] [--reps 2]
 """
@@ -29,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.attention import attention_flops
-from jaxllm.kernels import flash_attention
+from benchmarks.mosaic_check import VARIANTS
+from jaxllm.kernels import FLASH_IMPLS, flash_attention
 
 QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
 REASONS = {0x1: "idle", 0x4: "sw power cap", 0x8: "hw slowdown", 0x20: "sw thermal",
@@ -87,6 +91,10 @@ def main():
         sys.exit("attention_power.py needs an NVIDIA GPU and nvidia-smi")
     b, s, hq, hkv, d = (int(x) for x in args.shape.split(","))
     impls, masks = args.impls.split(","), args.masks.split(",")
+    unknown = [n for n in impls if n not in FLASH_IMPLS and n not in VARIANTS]
+    if unknown:
+        sys.exit(f"unknown --impls {unknown}: choose from {list(FLASH_IMPLS)} or the "
+                 f"variants {list(VARIANTS)}")
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (b, s, hq, d), jnp.bfloat16)
     k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)
@@ -94,7 +102,9 @@ def main():
     fns = {}
     for mask in masks:
         for impl in impls:
-            f = jax.jit(functools.partial(flash_attention, causal=mask == "causal", impl=impl))
+            opts = dict(impl=impl) if impl in FLASH_IMPLS else dict(impl="pallas_mosaic",
+                                                                      **VARIANTS[impl])
+            f = jax.jit(functools.partial(flash_attention, causal=mask == "causal", **opts))
             jax.block_until_ready(f(q, k, v))
             fns[(impl, mask)] = f
     res = {key: ([], []) for key in fns}  # times (s), samples
@@ -111,7 +121,7 @@ def main():
                 dt = (time.perf_counter() - t0) / n
             res[key][0].append(dt)
             res[key][1].extend(smp.samples)
-            print(f"rep {rep} {key[0]:14s} {key[1]:6s} {dt * 1e6:8.1f} us/call, "
+            print(f"rep {rep} {key[0]:22s} {key[1]:6s} {dt * 1e6:8.1f} us/call, "
                   f"{len(smp.samples)} samples", flush=True)
 
     print(f"\nB={b} S={s} Hq={hq} Hkv={hkv} D={d} bf16, forward; {args.reps} x "

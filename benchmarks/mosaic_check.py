@@ -55,6 +55,7 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
     # clusters of two CTAs sharing each K/V tile by TMA multicast (forward)
     "mosaic multicast": dict(kv_multicast=True),
     "mosaic multicast st3": dict(kv_multicast=True, num_stages=3),
+    "mosaic multicast bk64 st4": dict(kv_multicast=True, block_kv=64, num_stages=4),
 }
 # --headline: B=4 S=4096 D=128 only, cuDNN and the variants not skipped here (no
 # pallas_triton); the default and the new forward schedules also get a correctness check.

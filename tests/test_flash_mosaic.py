@@ -208,6 +208,8 @@ _GPU_SHAPES = {"gqa4_d128": (2, 1024, 1024, 8, 2, 128),
                "mqa_d64_sq_lt_skv": (1, 1000, 2500, 8, 1, 64),
                "mha_d256": (1, 777, 777, 4, 4, 256),
                "sq_gt_skv": (1, 2500, 1000, 4, 1, 128)}
+# multicast only: MHA, so clusters pair neighbouring query tiles (20 of them), Sq > Skv
+_MHA_PAIRED_TILES = (1, 2500, 1000, 2, 2, 128)
 # the default tiles everywhere; dQ from the dk/dv kernel where it applies (D <= 128)
 _GPU_CASES = [(n, {}) for n in _GPU_SHAPES] + [
     (n, dict(fused_dq=True)) for n in _GPU_SHAPES if _GPU_SHAPES[n][-1] <= 128]
@@ -224,14 +226,19 @@ def test_gpu_long_bf16(name, opts, causal):
 @hopper_only
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("name, opts", [
+    # GQA / MQA: the clusters pair two query heads of a group on one query tile
     ("gqa4_d128", {}), ("gqa4_d128", dict(num_stages=3)), ("mqa_d64_sq_lt_skv", {}),
-    ("sq_gt_skv", {}),  # causal: the two CTAs of a cluster stream for the longer tile
-    ("mha_d256", {})],  # 7 query tiles: no pairs, so no clusters
-    ids=["gqa4_d128", "gqa4_d128_3_stages", "mqa_d64_sq_lt_skv", "sq_gt_skv", "mha_d256"])
+    ("sq_gt_skv", {}),
+    # MHA: neighbouring query tiles of one head (causal: both CTAs stream for the longer)
+    ("mha_paired_tiles", {}),
+    ("mha_d256", {})],  # MHA with 7 query tiles: no pairs, so no clusters
+    ids=["gqa4_d128", "gqa4_d128_3_stages", "mqa_d64_sq_lt_skv", "sq_gt_skv",
+         "mha_paired_tiles", "mha_d256"])
 def test_gpu_kv_multicast(name, opts, causal):
     # clusters of two CTAs sharing each K/V tile by TMA multicast (the simulator has no
     # clusters, so this runs on the GPU only)
-    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2, kv_multicast=True, **opts)
+    shape = _MHA_PAIRED_TILES if name == "mha_paired_tiles" else _GPU_SHAPES[name]
+    _check(*shape, causal=causal, tol=3e-2, kv_multicast=True, **opts)
 
 
 @hopper_only

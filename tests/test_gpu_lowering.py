@@ -74,7 +74,7 @@ def test_flash_triton_forward_and_backward_lower():
     (128, 384, dict(block_kv=192)),  # one Q buffer: the 192-key ring takes 192 KiB
     (256, 384, dict(persistent=True)),  # one Q buffer
     (128, 384, dict(fused_dq=True)),  # dQ from dk/dv, TMA reductions into an aliased ref
-    (128, 384, dict(kv_multicast=True)),  # 2 query tiles: one cluster, K/V multicast
+    (128, 384, dict(kv_multicast=True)),  # GQA 2: heads paired in clusters, K/V multicast
     (64, 384, dict(fused_dq=True, overlap_bwd=False))],
     ids=["d128", "d64", "d256", "one_key_tile", "early_k_wait", "persistent_d128", "kv192",
          "persistent_d256", "fused_dq_d128", "fused_dq_d64_serial", "kv_multicast"])
@@ -86,3 +86,12 @@ def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
                                             **opts).astype(jnp.float32).sum()
     _lowers(jax.grad(loss, argnums=(0, 1, 2)), ((1, 256, 4, d), BF16),
             ((1, skv, 2, d), BF16), ((1, skv, 2, d), BF16))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_flash_mosaic_kv_multicast_mha_lowers(causal):
+    # MHA has no pair of heads sharing K/V: the clusters pair neighbouring query tiles
+    def fwd(q, k, v):
+        return flash_mosaic.flash_attention(q, k, v, causal=causal, interpret=False,
+                                            kv_multicast=True)
+    _lowers(fwd, ((1, 256, 2, 128), BF16), ((1, 384, 2, 128), BF16), ((1, 384, 2, 128), BF16))

@@ -84,13 +84,14 @@ class BlockSizes:
       tile's Q loads during this one (where two Q buffers fit beside the ring: D <= 128
       with the default tiles), so a CTA's start-up and epilogue no longer leave the SM
       idle.
-    kv_multicast: forward; CTAs in clusters of two on neighbouring query tiles of one
-      head (where the number of query tiles is even), each K/V tile loaded from L2 once
-      and multicast by TMA into both CTAs' rings; a ring slot is refilled once the
-      consumers of both CTAs have freed it. Half the L2 traffic, so under the H200's
-      power cap the clock rises (3% full, 8% causal), but the two CTAs wait on each
-      other: off by default, as it measured no faster (docs/benchmarks.md). Compiled
-      kernels only (the simulator has no clusters).
+    kv_multicast: forward; CTAs in clusters of two, each K/V tile loaded from L2 once and
+      multicast by TMA into both CTAs' rings; a ring slot is refilled once the consumers
+      of both CTAs have freed it. The two CTAs run two query heads of one GQA group on
+      the same query tile (so, causal, the same key tiles); with MHA, neighbouring query
+      tiles of one head (where their number is even; causal, both stream the longer
+      tile's keys). Half the L2 traffic, so under the H200's power cap the clock rises
+      by 2-4%, but the two CTAs wait on each other: off by default, as it measured no
+      faster (docs/benchmarks.md). Compiled kernels only (the simulator has no clusters).
     persistent_dq: the same for the dq kernel (its Q, dO, LSE and delta tiles).
     overlap_bwd: backward; issue S = Q K^T and dP = dO V^T (dk/dv: their transposes)
       together, so the exponentials run while dP is in flight (and, in dk/dv, dS^T is
