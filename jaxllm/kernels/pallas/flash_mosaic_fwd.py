@@ -45,15 +45,14 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     # kv_multicast: CTAs in clusters of two, each K/V tile loaded once from L2 and
     # multicast into both CTAs' rings (not simulated). The pair is two query heads of one
     # GQA group on the same query tile (the same keys and, causal, the same number of key
-    # tiles) or, where the group is odd (MHA), neighbouring query tiles of one head.
+    # tiles) or, where the group is odd (MHA, for one), neighbouring query tiles of one
+    # head. The schedule deals the clusters' work items.
     pair_heads = group % 2 == 0
     mc = 2 if (bs.kv_multicast and not interpret and (pair_heads or n_qt % 2 == 0)) else 1
-    if mc > 1 and pair_heads:
-        order = mg.TileSchedule(n_qt, hq // mc, b, causal=causal, persistent=bs.persistent,
-                                sim=interpret, cluster=mc)
-    else:
-        order = mg.TileSchedule(n_qt // mc, hq, b, causal=causal, persistent=bs.persistent,
-                                sim=interpret, cluster=mc)
+    item_rows = n_wg * bq if pair_heads else mc * n_wg * bq
+    order = mg.TileSchedule(n_qt if pair_heads else n_qt // mc,
+                            hq // mc if pair_heads else hq, b, causal=causal,
+                            persistent=bs.persistent, sim=interpret, cluster=mc)
     # A program that runs several tiles double-buffers Q (the next tile's Q loads during
     # this one) where shared memory allows: not at D = 256, nor beside a ring of
     # 192-key tiles at D = 128.
@@ -70,12 +69,10 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
         def coords(i):
             """The CTA's tile: its rank's head of the cluster's pair of heads, or its
             rank's half of the cluster's query rows; both CTAs share one stream."""
-            if mc > 1 and pair_heads:
-                bi, h, first, n_steps = order.query_tile(pid, i, rows=n_wg * bq, bk=bk,
-                                                         n_kv=n_kv, offset=offset)
-                return bi, h * mc + rank, first, n_steps
-            bi, h, first, n_steps = order.query_tile(pid, i, rows=mc * n_wg * bq, bk=bk,
+            bi, h, first, n_steps = order.query_tile(pid, i, rows=item_rows, bk=bk,
                                                      n_kv=n_kv, offset=offset)
+            if pair_heads:
+                return bi, h * mc + rank, first, n_steps
             return bi, h, first + rank * (n_wg * bq), n_steps
 
         def sync():
