@@ -204,8 +204,12 @@ def check_correctness():
 
 
 def measure_shape(b, ctx, pages, contiguous_cache, impls=("ours", "jax", "cudnn", "xla"),
-                  configs=None, ragged=False, rounds=3):
+                  configs=None, ragged=False, rounds=3, extra=None):
     """Rows of {impl, page, TB/s, x_cudnn} for one (B, ctx).
+
+    impls may also name "read": an XLA max-reduce over as many bytes as the K/V the
+    attention reads (the device's read bandwidth at this call size). extra: more paged
+    implementations {name: fn(q, k_pages, v_pages, tables, lengths)}.
 
     Every implementation is compiled first, then timed once a round for `rounds` rounds
     (the order reversed every other round), so slow and fast spells of the device fall on
@@ -235,6 +239,16 @@ def measure_shape(b, ctx, pages, contiguous_cache, impls=("ours", "jax", "cudnn"
             jobs.append((f"ours {cfg}", page, cfg, ours(**cfg), sets))
         if "jax" in impls:
             jobs.append(("jax pallas paged", page, None, jax_paged(-(-ctx // page)), sets))
+        for name, fn in (extra or {}).items():
+            jobs.append((name, page, name, fn, sets))
+    if "read" in impls:  # in arrays of at most 2^30 elements (XLA indexes with int32)
+        n_el = kv_bytes // jnp.dtype(DTYPE).itemsize
+        sizes = [min(1 << 30, n_el - i) for i in range(0, n_el, 1 << 30)]
+        flat = [[jax.random.normal(jax.random.fold_in(key, r * 64 + i), (n,), DTYPE)
+                 for i, n in enumerate(sizes)] for r in range(n_rot)]
+        jobs.append(("read-only, same bytes", 0, "read",
+                     lambda xs, c: functools.reduce(jnp.maximum, [jnp.max(x + c) for x in xs]),
+                     lambda u: (flat[u % n_rot], jnp.asarray(u + 1, DTYPE))))
 
     def failed(name, page, e):  # one failing variant must not sink the run
         print(f"  B={b} ctx={ctx} page={page} {name}: FAILED {type(e).__name__}: "
@@ -301,7 +315,8 @@ def main():
                         configs=[dict(num_splits=s) for s in (1, 2)])
     rows += measure(32, 4096, [16], cc, impls=("ours", "jax"), ragged=True)
     if args.quick:
-        rows += measure(32, 4096, [16], cc, configs=[dict(merge="xla")])
+        rows += measure(32, 4096, [16], cc, impls=("ours", "jax", "cudnn", "xla", "read"),
+                        configs=[dict(merge="xla")])
         rows += measure(8, 4096, [16], cc, impls=("ours", "cudnn"),
                         configs=[dict(merge="xla")])
     else:
@@ -312,7 +327,7 @@ def main():
                 if need > 0.9 * free:
                     print(f"  skip B={b} ctx={ctx}: needs ~{need / 1e9:.0f} GB", flush=True)
                     continue
-                rows += measure(b, ctx, [16, 64], cc, impls=("ours", "jax", "cudnn"))
+                rows += measure(b, ctx, [16, 64], cc, impls=("ours", "jax", "cudnn", "read"))
     cc.clear()
     summary = dict(device=dev.device_kind, jax=jax.__version__, correctness_ok=ok,
                    copy_tbps=copy_bw / 1e12, read_tbps=read_bw / 1e12, rows=rows,
@@ -328,11 +343,11 @@ def print_table(rows):
     """Markdown: per (B, ctx, page) ours / JAX paged / best contiguous."""
     by = {}
     for r in rows:
-        if r["cfg"] is None and not r["ragged"]:
+        if r["cfg"] in (None, "read") and not r["ragged"]:
             by.setdefault((r["B"], r["ctx"]), []).append(r)
     print("\n| B | ctx | page | ours TB/s | JAX Pallas paged TB/s | cuDNN contig. | XLA contig. "
-          "| ours / best contiguous | ours / cuDNN, per round |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| read-only, same bytes | ours / best contiguous | ours / cuDNN, per round |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     f = lambda x: f"{x:.2f}" if x else "-"  # noqa: E731
     for (b, ctx), rs in sorted(by.items()):
         get = {(r["impl"], r["page"]): r for r in rs}
@@ -343,6 +358,7 @@ def print_table(rows):
             o, j = tb.get(("ours", page)), tb.get(("jax pallas paged", page))
             x = get[("ours", page)].get("x_cudnn") if o else None
             print(f"| {b} | {ctx} | {page} | {f(o)} | {f(j)} | {f(contig[0])} | {f(contig[1])} "
+                  f"| {f(tb.get(('read-only, same bytes', 0)))} "
                   f"| {f(o / best if o else None)} | {f(x)} |")
 
 
