@@ -240,7 +240,8 @@ def measure_shape(b, ctx, pages, contiguous_cache, impls=("ours", "jax", "cudnn"
             jobs.append((f"ours {cfg}", page, cfg, ours(**cfg), sets))
         if "jax" in impls:
             jobs.append(("jax pallas paged", page, None, jax_paged(-(-ctx // page)), sets))
-    if "read" in impls:  # in arrays of at most 2^30 elements (XLA indexes with int32)
+    if "read" in impls:  # arrays of at most 2^30 elements: one of 2^31 (B=32, ctx 32768)
+        # did not finish on the H200
         n_el = kv_bytes // jnp.dtype(DTYPE).itemsize
         sizes = [min(1 << 30, n_el - i) for i in range(0, n_el, 1 << 30)]
         flat = [[jax.random.normal(jax.random.fold_in(key, r * 64 + i), (n,), DTYPE)
