@@ -11,8 +11,9 @@ on a contiguous cache [B, ctx, Hkv, D] (q of length 1), and the device's copy an
 bandwidth: over 2 GiB, and read-only over exactly the shape's K/V bytes (an XLA reduce of
 that size: what a plain read of that many bytes a call reaches). Pages are scattered (a
 random permutation of the pool). Each timing is the median over repetitions of one
-executable that runs `unroll` calls back to back on rotating inputs (>= ~300 MB in
-rotation, well past the 60 MB L2), divided by `unroll`; the implementations of a shape
+executable that runs `unroll` calls back to back on rotating inputs (up to 8 sets,
+>= ~300 MB in rotation where 8 reach it; only B = 1 at ctx 512, 8 x 2 MB, stays within
+the 60 MB L2), divided by `unroll`; the implementations of a shape
 are timed in `--rounds` interleaved rounds, and each figure is the median over rounds
 (the ratio to cuDNN: the median per-round ratio).
 The script first checks every implementation against the jnp reference.
