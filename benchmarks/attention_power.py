@@ -12,7 +12,11 @@ clock and power, the throttle reasons seen, and against the first implementation
 speed (inverse time ratio), its clock, and its speed a clock cycle (speed / clock).
 
 An entry of `--impls` is an implementation of `jaxllm.kernels.flash_attention` or the
-name of a `pallas_mosaic` variant in benchmarks/mosaic_check.py (e.g. "mosaic multicast").
+name of a `pallas_mosaic` variant in benchmarks/mosaic_check.py (e.g. "mosaic multicast"),
+or "gemm": an XLA (cuBLAS) bf16 matmul of N x N by N x N with N the multiple of 256
+nearest to the full-mask forward's FLOPs (N = 8192 at the default shape), the board's
+dense tensor-core rate at its power limit as an anchor. The ratio columns compare
+TFLOP/s, which for the attention kernels of one mask is the inverse ratio of times.
 
   PYTHONPATH=. python3 benchmarks/attention_power.py [--shape 4,4096,32,8,128]
       [--impls cudnn,pallas_mosaic] [--masks full,causal] [--seconds 4] [--reps 2]
@@ -91,7 +95,7 @@ def main():
         sys.exit("attention_power.py needs an NVIDIA GPU and nvidia-smi")
     b, s, hq, hkv, d = (int(x) for x in args.shape.split(","))
     impls, masks = args.impls.split(","), args.masks.split(",")
-    unknown = [n for n in impls if n not in FLASH_IMPLS and n not in VARIANTS]
+    unknown = [n for n in impls if n not in FLASH_IMPLS and n not in VARIANTS and n != "gemm"]
     if unknown:
         sys.exit(f"unknown --impls {unknown}: choose from {list(FLASH_IMPLS)} or the "
                  f"variants {list(VARIANTS)}")
@@ -99,9 +103,18 @@ def main():
     q = jax.random.normal(ks[0], (b, s, hq, d), jnp.bfloat16)
     k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)
     v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.bfloat16)
-    fns = {}
+    fns, flops = {}, {}
+    n_gemm = max(256, round((attention_flops(b, hq, s, s, d, False) / 2) ** (1 / 3) / 256) * 256)
+    a_gemm = jax.random.normal(ks[0], (n_gemm, n_gemm), jnp.bfloat16)
     for mask in masks:
         for impl in impls:
+            if impl == "gemm":
+                g = jax.jit(lambda x: x @ x)
+                jax.block_until_ready(g(a_gemm))
+                fns[(impl, mask)] = lambda q, k, v, g=g: g(a_gemm)
+                flops[(impl, mask)] = 2 * n_gemm ** 3
+                continue
+            flops[(impl, mask)] = attention_flops(b, hq, s, s, d, mask == "causal")
             opts = dict(impl=impl) if impl in FLASH_IMPLS else dict(impl="pallas_mosaic",
                                                                       **VARIANTS[impl])
             f = jax.jit(functools.partial(flash_attention, causal=mask == "causal", **opts))
@@ -124,6 +137,8 @@ def main():
             print(f"rep {rep} {key[0]:22s} {key[1]:6s} {dt * 1e6:8.1f} us/call, "
                   f"{len(smp.samples)} samples", flush=True)
 
+    if "gemm" in impls:
+        print(f"\ngemm: {n_gemm} x {n_gemm} x {n_gemm} bf16, {2 * n_gemm ** 3:.3g} FLOPs a call")
     print(f"\nB={b} S={s} Hq={hq} Hkv={hkv} D={d} bf16, forward; {args.reps} x "
           f"{args.seconds:g} s a kernel; medians over reps / samples\n")
     print("| mask | impl | us/call | TFLOP/s | SM clock MHz [min, max] | power W | throttle "
@@ -138,10 +153,10 @@ def main():
             pw = statistics.median(x[1] for x in smp) if smp else float("nan")
             thr = "; ".join(sorted({reasons(x[2]) for x in smp})) or "-"
             clks = [x[0] for x in smp] or [0]
-            tfl = attention_flops(b, hq, s, s, d, mask == "causal") / t / 1e12
+            tfl = flops[(impl, mask)] / t / 1e12
             if first is None:
-                first = (t, clk)
-            speed, clock = first[0] / t, clk / first[1]
+                first = (tfl, clk)
+            speed, clock = tfl / first[0], clk / first[1]
             print(f"| {mask} | {impl} | {t * 1e6:.0f} | {tfl:.0f} | {clk:.0f} [{min(clks)}, "
                   f"{max(clks)}] | {pw:.0f} | {thr} | {speed:.3f} | {clock:.3f} | "
                   f"{speed / clock:.3f} |")

@@ -100,6 +100,9 @@ class BlockSizes:
       dS and adds it into a float32 buffer with TMA reductions (5 matmuls a tile pair
       instead of 7; D <= 128). Off by default: on the H200 it measured slower than the
       two kernels at D = 128 and level at D = 64 (docs/benchmarks.md).
+    no_softmax: forward; measurement only, the output is wrong: the raw scores go to
+      P V as P (no mask, max, exponential, row sum or rescale), so the kernel runs its
+      loads, matmuls and barriers alone. A bound for benchmarks.
     block_q_dq / block_kv_dq, block_q_dkv / block_kv_dkv: the backward kernels' tiles
     (the owned side per warpgroup and the streamed side); compute_wgs_bwd warpgroups a CTA.
     """
@@ -115,6 +118,7 @@ class BlockSizes:
     persistent_dq: bool = False
     overlap_bwd: bool = False
     fused_dq: bool = False
+    no_softmax: bool = False
     block_q_dq: int = 64
     block_kv_dq: int = 64
     block_q_dkv: int = 64

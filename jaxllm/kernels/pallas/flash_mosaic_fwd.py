@@ -94,6 +94,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 m is in log2 units (scores times c). With c > 0 the row max is taken on
                 the raw scores and scaled once per row, so each score is scaled and
                 shifted by one fused multiply-add inside exp2."""
+                if bs.no_softmax:  # measurement bound: the scores go straight to P V
+                    return sc, m, None
                 fused = c > 0
                 if not fused:
                     sc = sc * c  # (bq, bk), log2 units
@@ -128,8 +130,9 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
                 plgpu.barrier_arrive(k_free.at[slot])
                 p, m_new, alpha = softmax(s, sc, m, masked)
-                acc = acc * mg.bcast_rows(alpha, acc.shape)
-                l = l * alpha + p.sum(axis=1)
+                if alpha is not None:
+                    acc = acc * mg.bcast_rows(alpha, acc.shape)
+                    l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
                 if bs.sum_before_sync:
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
@@ -154,7 +157,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
                 plgpu.barrier_arrive(k_free.at[slot])
                 p, m, alpha = softmax(0, sc, m, masked=True)
-                l = l * alpha + p.sum(axis=1)
+                if alpha is not None:
+                    l = l * alpha + p.sum(axis=1)
                 sync()
                 return acc, m, l, p.astype(dtype)
 
@@ -167,16 +171,17 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 def between(sc):  # S_j is ready; PV_{j-1} may still run
                     plgpu.barrier_arrive(k_free.at[slot])
                     p, m_new, alpha = softmax(s, sc, m, masked)
-                    l_new = l * alpha + p.sum(axis=1)
+                    l_new = l if alpha is None else l * alpha + p.sum(axis=1)
                     p16 = p.astype(dtype)
                     sync()
-                    return p16, m_new, l_new, alpha
+                    return p16, m_new, l_new, m_new if alpha is None else alpha
 
                 acc, (p16, m, l, alpha) = mg.dot_overlapped(
                     q_tile, k_smem.at[slot], p_prev, v_smem.at[prev], acc, between,
                     sim=interpret, during=sync)
                 plgpu.barrier_arrive(v_free.at[prev])
-                acc = acc * mg.bcast_rows(alpha, acc.shape)
+                if not bs.no_softmax:
+                    acc = acc * mg.bcast_rows(alpha, acc.shape)
                 return acc, m, l, p16
 
             def last(carry):
