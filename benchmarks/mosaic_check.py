@@ -56,6 +56,9 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
     "mosaic multicast": dict(kv_multicast=True),
     "mosaic multicast st3": dict(kv_multicast=True, num_stages=3),
     "mosaic multicast bk64 st4": dict(kv_multicast=True, block_kv=64, num_stages=4),
+    "mosaic rescale-under-qk": dict(overlap_softmax=True, schedule_barrier=False,
+                                    rescale_under_qk=True),
+    "mosaic chain-qk": dict(PINGPONG, chain_qk=True),
     # measurement bounds (wrong output, never checked; run only when named): the forward
     # with its softmax taken out, in the default schedule and in the ping-pong one
     "mosaic bound": dict(no_softmax=True),
@@ -66,7 +69,7 @@ BOUNDS = ("mosaic bound", "mosaic pingpong bound")
 # pallas_triton); the default and the new forward schedules also get a correctness check.
 HEADLINE_SKIP = ("mosaic bk64 st3", "mosaic bwd 1wg st3", "mosaic grid serial-bwd",
                  "mosaic fused-dq") + BOUNDS
-HEADLINE_CHECK = ("mosaic pingpong", "mosaic early-k", "mosaic early-k sum", "mosaic overlap",
+HEADLINE_CHECK = ("mosaic rescale-under-qk", "mosaic chain-qk", "mosaic pingpong", "mosaic early-k", "mosaic early-k sum", "mosaic overlap",
                   "mosaic overlap no-pingpong", "mosaic bq128 bk64")
 
 

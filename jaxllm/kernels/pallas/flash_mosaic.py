@@ -100,6 +100,10 @@ class BlockSizes:
       dS and adds it into a float32 buffer with TMA reductions (5 matmuls a tile pair
       instead of 7; D <= 128). Off by default: on the H200 it measured slower than the
       two kernels at D = 128 and level at D = 64 (docs/benchmarks.md).
+    rescale_under_qk: forward, overlap_softmax; scale O by a tile's alpha right after
+      issuing the next Q K^T (in its shadow) rather than after awaiting P V.
+    chain_qk: forward, without overlap_softmax; issue the next tile's Q K^T together with
+      this tile's P V, so a warpgroup's two products reach the tensor pipe back to back.
     no_softmax: forward; measurement only, the output is wrong: the raw scores go to
       P V as P (no mask, max, exponential, row sum or rescale), so the kernel runs its
       loads, matmuls and barriers alone. A bound for benchmarks.
@@ -119,6 +123,8 @@ class BlockSizes:
     overlap_bwd: bool = False
     fused_dq: bool = False
     no_softmax: bool = False
+    rescale_under_qk: bool = False
+    chain_qk: bool = False
     block_q_dq: int = 64
     block_kv_dq: int = 64
     block_q_dkv: int = 64

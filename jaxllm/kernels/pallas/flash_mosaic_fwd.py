@@ -114,6 +114,9 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             # The bound of the early K wait, traced (causal) or a Python int: a concrete
             # array closed over by the wgmma's `during` region fails to lower (jax 0.11).
             k_wait_limit = my_steps if causal else n_kv
+            # rescale_under_qk: the overlapped pipeline scales O by tile j's alpha right
+            # after issuing Q K_{j+1}^T, in that product's shadow, instead of after P V
+            late = bs.rescale_under_qk and not bs.no_softmax
 
             def wait_next_k(s):
                 if bs.early_k_wait:
@@ -160,10 +163,15 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 if alpha is not None:
                     l = l * alpha + p.sum(axis=1)
                 sync()
+                if late:  # acc is still zero; alpha (0) keeps it so
+                    return acc, m, l, p.astype(dtype), alpha
                 return acc, m, l, p.astype(dtype)
 
             def step_overlapped(s, carry, masked):
-                acc, m, l, p_prev = carry
+                if late:
+                    acc, m, l, p_prev, alpha_prev = carry
+                else:
+                    acc, m, l, p_prev = carry
                 slot, prev = slot_of(s), slot_of(s - 1)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[prev])
@@ -176,16 +184,21 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                     sync()
                     return p16, m_new, l_new, m_new if alpha is None else alpha
 
+                before_pv = (lambda a: a * mg.bcast_rows(alpha_prev, a.shape)) if late else None
                 acc, (p16, m, l, alpha) = mg.dot_overlapped(
                     q_tile, k_smem.at[slot], p_prev, v_smem.at[prev], acc, between,
-                    sim=interpret, during=sync)
+                    sim=interpret, during=sync, before_pv=before_pv)
                 plgpu.barrier_arrive(v_free.at[prev])
+                if late:
+                    return acc, m, l, p16, alpha
                 if not bs.no_softmax:
                     acc = acc * mg.bcast_rows(alpha, acc.shape)
                 return acc, m, l, p16
 
             def last(carry):
-                acc, m, l, p_prev = carry
+                acc, m, l, p_prev = carry[:4]
+                if late:
+                    acc = acc * mg.bcast_rows(carry[4], acc.shape)
                 prev = slot_of(my_steps - 1)
                 plgpu.barrier_wait(v_bar.at[prev])
                 acc = mg.dot(p_prev, v_smem.at[prev], acc=acc, a_ref=False, sim=interpret)
@@ -200,6 +213,61 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 carry = lax.fori_loop(lo, my_steps,
                                       functools.partial(step_overlapped, masked=True), carry)
                 return last(carry)
+
+            # chain_qk (ping-pong): step j runs the softmax of tile j, then issues
+            # P_j V_j and Q K_{j+1}^T together, so the tensor pipe has no gap between
+            # this warpgroup's two products. The same two rendezvous a tile as `step`.
+            def chain_first(carry):
+                acc, m, l = carry
+                slot = slot_of(0)
+                plgpu.barrier_wait(k_bar.at[slot])
+                sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
+                plgpu.barrier_arrive(k_free.at[slot])
+                return acc, m, l, sc
+
+            def chain_softmax(s, carry, masked):
+                acc, m, l, sc = carry
+                p, m_new, alpha = softmax(s, sc, m, masked)
+                if alpha is not None:
+                    acc = acc * mg.bcast_rows(alpha, acc.shape)
+                    l = l * alpha + p.sum(axis=1)
+                return acc, m_new, l, p.astype(dtype)
+
+            def chain_step(s, carry, masked):
+                acc, m, l, p16 = chain_softmax(s, carry, masked)
+                slot, nxt = slot_of(s), slot_of(s + 1)
+                if bs.schedule_barrier:
+                    plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(k_bar.at[nxt])
+                if bs.schedule_barrier:
+                    plgpu.barrier_wait(sched)
+                acc, sc = mg.dot_overlapped(q_tile, k_smem.at[nxt], p16, v_smem.at[slot], acc,
+                                            lambda x: x, sim=interpret, during=sync)
+                plgpu.barrier_arrive(v_free.at[slot])
+                plgpu.barrier_arrive(k_free.at[nxt])
+                return acc, m, l, sc
+
+            def chain_last(carry):
+                s = my_steps - 1
+                acc, m, l, p16 = chain_softmax(s, carry, masked=True)
+                slot = slot_of(s)
+                if bs.schedule_barrier:
+                    plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if bs.schedule_barrier:
+                    plgpu.barrier_wait(sched)
+                acc = mg.dot(p16, v_smem.at[slot], acc=acc, a_ref=False, sim=interpret)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m, l
+
+            def chained(carry):
+                carry = chain_first(carry)
+                lo = jnp.minimum(n_full, my_steps - 1)
+                carry = lax.fori_loop(0, lo, functools.partial(chain_step, masked=False), carry)
+                carry = lax.fori_loop(lo, my_steps - 1, functools.partial(chain_step, masked=True),
+                                      carry)
+                return chain_last(carry)
 
             def skip(s, _):
                 # A tile the other warpgroup needs: release the slot, keep the ping-pong.
@@ -230,6 +298,11 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                     acc, m, l = lax.cond(my_steps > 0, overlapped, lambda c: c, carry)
                 else:
                     acc, m, l = overlapped(carry)
+            elif bs.chain_qk:
+                if causal:
+                    acc, m, l = lax.cond(my_steps > 0, chained, lambda c: c, carry)
+                else:
+                    acc, m, l = chained(carry)
             else:
                 carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
                 acc, m, l = lax.fori_loop(n_full, my_steps,

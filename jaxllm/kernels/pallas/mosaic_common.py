@@ -135,19 +135,25 @@ def dot(a, b, *, sim: bool, acc=None, trans_b: bool = False, a_ref: bool = True,
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
-def dot_overlapped(q, k, p, v, acc, between, *, sim: bool, during=None):
-    """(acc + p @ v, between(q @ k^T)): the two products issued back to back as async
-    wgmmas (q, k, v SMEM refs; p, acc float32/16 register arrays), S = q @ k^T awaited
-    first, so `between` runs while p @ v may still be in flight. `during` runs after
-    both are issued. In the simulator the same arithmetic runs in the same order."""
+def dot_overlapped(q, k, p, v, acc, between, *, sim: bool, during=None, before_pv=None):
+    """(before_pv(acc) + p @ v, between(q @ k^T)): the two products issued back to back
+    as async wgmmas (q, k, v SMEM refs; p, acc float32/16 register arrays), S = q @ k^T
+    awaited first, so `between` runs while p @ v may still be in flight. `before_pv`
+    (default: none) runs on acc after q @ k^T is issued, in its shadow. `during` runs
+    after both are issued. In the simulator the same arithmetic runs in the same order."""
     if sim:
         s = dot(q, k, trans_b=True, sim=True, during=during)
+        if before_pv is not None:
+            acc = before_pv(acc)
         res = between(s)
         return dot(p, v, acc=acc, a_ref=False, sim=True), res
 
     def scoped(s_ref, o_ref):
-        o_ref[...] = acc
+        if before_pv is None:
+            o_ref[...] = acc
         plgpu.wgmma(s_ref, q, k.transpose((1, 0)))
+        if before_pv is not None:
+            o_ref[...] = before_pv(acc)
         plgpu.wgmma(o_ref, p, v)
         if during is not None:
             during()
