@@ -242,8 +242,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 plgpu.barrier_wait(k_bar.at[nxt])
                 if bs.schedule_barrier:
                     plgpu.barrier_wait(sched)
-                acc, sc = mg.dot_overlapped(q_tile, k_smem.at[nxt], p16, v_smem.at[slot], acc,
-                                            lambda x: x, sim=interpret, during=sync)
+                acc, sc = mg.dot_pv_qk(p16, v_smem.at[slot], acc, q_tile, k_smem.at[nxt],
+                                       sim=interpret, during=sync)
                 plgpu.barrier_arrive(v_free.at[slot])
                 plgpu.barrier_arrive(k_free.at[nxt])
                 return acc, m, l, sc

@@ -163,6 +163,28 @@ def dot_overlapped(q, k, p, v, acc, between, *, sim: bool, during=None, before_p
                          plgpu.ACC(acc.shape, jnp.float32))
 
 
+def dot_pv_qk(p, v, acc, q, k, *, sim: bool, during=None):
+    """(acc + p @ v, q @ k^T), both awaited: p @ v issued first (p, acc register arrays;
+    v, q, k SMEM refs), then q @ k^T right behind it, so the tensor pipe gets the two
+    back to back. p's registers are defined before the first wgmma: ptxas need not
+    serialise the pair (as it does, warning C7513, when a register operand is formed
+    between them). `during` runs after both are issued."""
+    if sim:
+        o = dot(p, v, acc=acc, a_ref=False, sim=True)
+        return o, dot(q, k, trans_b=True, sim=True, during=during)
+
+    def scoped(s_ref, o_ref):
+        o_ref[...] = acc
+        plgpu.wgmma(o_ref, p, v)
+        plgpu.wgmma(s_ref, q, k.transpose((1, 0)))
+        if during is not None:
+            during()
+        o = plgpu.wgmma_accumulator_load(o_ref, wait_n=1)
+        return o, plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
+    return pl.run_scoped(scoped, plgpu.ACC((q.shape[0], k.shape[0]), jnp.float32),
+                         plgpu.ACC(acc.shape, jnp.float32))
+
+
 def dot_pair_nt(a1, b1, a2, b2, then, *, sim: bool):
     """then(a1 @ b1^T, a2 @ b2^T) in float32, the two products issued back to back as
     async wgmmas (all four SMEM refs) and `then` entered once the first is done: its
