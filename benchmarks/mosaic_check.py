@@ -59,6 +59,9 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
     "mosaic rescale-under-qk": dict(overlap_softmax=True, schedule_barrier=False,
                                     rescale_under_qk=True),
     "mosaic chain-qk": dict(PINGPONG, chain_qk=True),
+    # half of each tile's exponentials on the FMA pipe
+    "mosaic fma64": dict(exp2_fma_cols=64),
+    "mosaic chain-qk fma64": dict(PINGPONG, chain_qk=True, exp2_fma_cols=64),
     # measurement bounds (wrong output, never checked; run only when named): the forward
     # with its softmax taken out, in the default schedule and in the ping-pong one
     "mosaic bound": dict(no_softmax=True),
@@ -69,7 +72,8 @@ BOUNDS = ("mosaic bound", "mosaic pingpong bound")
 # pallas_triton); the default and the new forward schedules also get a correctness check.
 HEADLINE_SKIP = ("mosaic bk64 st3", "mosaic bwd 1wg st3", "mosaic grid serial-bwd",
                  "mosaic fused-dq") + BOUNDS
-HEADLINE_CHECK = ("mosaic rescale-under-qk", "mosaic chain-qk", "mosaic pingpong", "mosaic early-k", "mosaic early-k sum", "mosaic overlap",
+HEADLINE_CHECK = ("mosaic rescale-under-qk", "mosaic chain-qk", "mosaic fma64",
+                  "mosaic chain-qk fma64", "mosaic pingpong", "mosaic early-k", "mosaic early-k sum", "mosaic overlap",
                   "mosaic overlap no-pingpong", "mosaic bq128 bk64")
 
 

@@ -104,6 +104,9 @@ class BlockSizes:
       issuing the next Q K^T (in its shadow) rather than after awaiting P V.
     chain_qk: forward, without overlap_softmax; issue the next tile's Q K^T together with
       this tile's P V, so a warpgroup's two products reach the tensor pipe back to back.
+    exp2_fma_cols: forward; of each key tile's columns, the last exp2_fma_cols (a multiple
+      of 64: Mosaic's wgmma takes K pieces of 64) take their exponentials on the FMA pipe (mosaic_common.exp2_fma) instead of
+      the MUFU, in tiles without a mask; P then reaches P V as two K pieces.
     no_softmax: forward; measurement only, the output is wrong: the raw scores go to
       P V as P (no mask, max, exponential, row sum or rescale), so the kernel runs its
       loads, matmuls and barriers alone. A bound for benchmarks.
@@ -125,6 +128,7 @@ class BlockSizes:
     no_softmax: bool = False
     rescale_under_qk: bool = False
     chain_qk: bool = False
+    exp2_fma_cols: int = 0
     block_q_dq: int = 64
     block_kv_dq: int = 64
     block_q_dkv: int = 64
@@ -140,6 +144,8 @@ class BlockSizes:
         if self.num_stages < 2 or self.num_stages_bwd < 2:
             raise ValueError(f"num_stages={self.num_stages} and num_stages_bwd="
                              f"{self.num_stages_bwd} must be >= 2")
+        if self.exp2_fma_cols < 0 or self.exp2_fma_cols % 64:
+            raise ValueError(f"exp2_fma_cols={self.exp2_fma_cols} must be a multiple of 64 >= 0")
         if self.compute_wgs_bwd not in (1, 2):
             raise ValueError(f"compute_wgs_bwd={self.compute_wgs_bwd} must be 1 or 2")
 

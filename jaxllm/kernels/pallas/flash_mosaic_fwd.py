@@ -88,6 +88,13 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                                              causal)
             rows = mg.iota((bq, bk), 0, interpret) + (q_base + offset)
 
+            def psum(p):  # row sums of P (an array or its K pieces)
+                return sum(x.sum(axis=1) for x in p) if isinstance(p, tuple) else p.sum(axis=1)
+
+            def pcast(p):
+                return tuple(x.astype(dtype) for x in p) if isinstance(p, tuple) else \
+                    p.astype(dtype)
+
             def softmax(s, sc, m, masked):
                 """Raw scores of key tile s -> (P in float32, new max m, rescale alpha).
 
@@ -105,11 +112,15 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 # Rows with every key masked so far keep m = -inf: shift by 0, not -inf.
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
                 alpha = jnp.exp2(m - m_use)
-                if fused:
-                    p = jnp.exp2(sc * c - mg.bcast_rows(m_use, sc.shape))
-                else:
-                    p = jnp.exp2(sc - mg.bcast_rows(m_use, sc.shape))
-                return p, m_new, alpha
+
+                def exponent(part):
+                    mm = mg.bcast_rows(m_use, part.shape)
+                    return part * c - mm if fused else part - mm
+                if fma_cols:  # P in two K pieces, the second's exp2 on the FMA pipe
+                    xa, xb = exponent(sc[:, :bk - fma_cols]), exponent(sc[:, bk - fma_cols:])
+                    return (jnp.exp2(xa), jnp.exp2(xb) if masked else mg.exp2_fma(xb, interpret)), \
+                        m_new, alpha
+                return jnp.exp2(exponent(sc)), m_new, alpha
 
             # The bound of the early K wait, traced (causal) or a Python int: a concrete
             # array closed over by the wgmma's `during` region fails to lower (jax 0.11).
@@ -117,6 +128,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             # rescale_under_qk: the overlapped pipeline scales O by tile j's alpha right
             # after issuing Q K_{j+1}^T, in that product's shadow, instead of after P V
             late = bs.rescale_under_qk and not bs.no_softmax
+            fma_cols = bs.exp2_fma_cols if bs.exp2_fma_cols < bk else 0
 
             def wait_next_k(s):
                 if bs.early_k_wait:
@@ -135,8 +147,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 p, m_new, alpha = softmax(s, sc, m, masked)
                 if alpha is not None:
                     acc = acc * mg.bcast_rows(alpha, acc.shape)
-                    l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
+                    l = l * alpha + psum(p)
+                p16 = pcast(p)
                 if bs.sum_before_sync:
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                 if bs.schedule_barrier:
@@ -161,11 +173,11 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 plgpu.barrier_arrive(k_free.at[slot])
                 p, m, alpha = softmax(0, sc, m, masked=True)
                 if alpha is not None:
-                    l = l * alpha + p.sum(axis=1)
+                    l = l * alpha + psum(p)
                 sync()
                 if late:  # acc is still zero; alpha (0) keeps it so
-                    return acc, m, l, p.astype(dtype), alpha
-                return acc, m, l, p.astype(dtype)
+                    return acc, m, l, pcast(p), alpha
+                return acc, m, l, pcast(p)
 
             def step_overlapped(s, carry, masked):
                 if late:
@@ -179,8 +191,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 def between(sc):  # S_j is ready; PV_{j-1} may still run
                     plgpu.barrier_arrive(k_free.at[slot])
                     p, m_new, alpha = softmax(s, sc, m, masked)
-                    l_new = l if alpha is None else l * alpha + p.sum(axis=1)
-                    p16 = p.astype(dtype)
+                    l_new = l if alpha is None else l * alpha + psum(p)
+                    p16 = pcast(p)
                     sync()
                     return p16, m_new, l_new, m_new if alpha is None else alpha
 
@@ -230,8 +242,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 p, m_new, alpha = softmax(s, sc, m, masked)
                 if alpha is not None:
                     acc = acc * mg.bcast_rows(alpha, acc.shape)
-                    l = l * alpha + p.sum(axis=1)
-                return acc, m_new, l, p.astype(dtype)
+                    l = l * alpha + psum(p)
+                return acc, m_new, l, pcast(p)
 
             def chain_step(s, carry, masked):
                 acc, m, l, p16 = chain_softmax(s, carry, masked)
