@@ -74,6 +74,12 @@ class BlockSizes:
     sum_before_sync: forward; add P's row sums to l and pin (acc, m, l, P) with an
       optimization barrier before the schedule barrier, so the compiler cannot sink the
       softmax tail past it.
+    chain_qk: forward, ping-pong schedule (without overlap_softmax); a warpgroup issues
+      tile j's P V and tile j+1's Q K^T together, so the tensor pipe gets them back to
+      back, rather than issuing Q K_{j+1}^T only once P_j V_j is done. On the H200 it
+      measured 2-3% faster causal at D = 128 at the board's power cap (docs/benchmarks.md).
+      early_k_wait and sum_before_sync are options of the unchained step: either one
+      turns chain_qk off.
     overlap_softmax: forward; FA3 intra-warpgroup overlap: step j issues Q K_j^T and then
       P_{j-1} V_{j-1} as two async wgmmas, and runs the softmax of tile j while the PV
       wgmma is still in flight (one more S-sized tile of registers).
@@ -100,16 +106,6 @@ class BlockSizes:
       dS and adds it into a float32 buffer with TMA reductions (5 matmuls a tile pair
       instead of 7; D <= 128). Off by default: on the H200 it measured slower than the
       two kernels at D = 128 and level at D = 64 (docs/benchmarks.md).
-    rescale_under_qk: forward, overlap_softmax; scale O by a tile's alpha right after
-      issuing the next Q K^T (in its shadow) rather than after awaiting P V.
-    chain_qk: forward, without overlap_softmax; issue the next tile's Q K^T together with
-      this tile's P V, so a warpgroup's two products reach the tensor pipe back to back.
-    exp2_fma_cols: forward; of each key tile's columns, the last exp2_fma_cols (a multiple
-      of 64: Mosaic's wgmma takes K pieces of 64) take their exponentials on the FMA pipe (mosaic_common.exp2_fma) instead of
-      the MUFU, in tiles without a mask; P then reaches P V as two K pieces.
-    no_softmax: forward; measurement only, the output is wrong: the raw scores go to
-      P V as P (no mask, max, exponential, row sum or rescale), so the kernel runs its
-      loads, matmuls and barriers alone. A bound for benchmarks.
     block_q_dq / block_kv_dq, block_q_dkv / block_kv_dkv: the backward kernels' tiles
     (the owned side per warpgroup and the streamed side); compute_wgs_bwd warpgroups a CTA.
     """
@@ -119,16 +115,13 @@ class BlockSizes:
     schedule_barrier: bool = True
     early_k_wait: bool = False
     sum_before_sync: bool = False
+    chain_qk: bool = True
     overlap_softmax: bool = False
     persistent: bool = False
     kv_multicast: bool = False
     persistent_dq: bool = False
     overlap_bwd: bool = False
     fused_dq: bool = False
-    no_softmax: bool = False
-    rescale_under_qk: bool = False
-    chain_qk: bool = False
-    exp2_fma_cols: int = 0
     block_q_dq: int = 64
     block_kv_dq: int = 64
     block_q_dkv: int = 64
@@ -144,8 +137,6 @@ class BlockSizes:
         if self.num_stages < 2 or self.num_stages_bwd < 2:
             raise ValueError(f"num_stages={self.num_stages} and num_stages_bwd="
                              f"{self.num_stages_bwd} must be >= 2")
-        if self.exp2_fma_cols < 0 or self.exp2_fma_cols % 64:
-            raise ValueError(f"exp2_fma_cols={self.exp2_fma_cols} must be a multiple of 64 >= 0")
         if self.compute_wgs_bwd not in (1, 2):
             raise ValueError(f"compute_wgs_bwd={self.compute_wgs_bwd} must be 1 or 2")
 

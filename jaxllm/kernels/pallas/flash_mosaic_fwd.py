@@ -47,6 +47,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     # GQA group on the same query tile (the same keys and, causal, the same number of key
     # tiles) or, where the group is odd (MHA, for one), neighbouring query tiles of one
     # head. The schedule deals the clusters' work items.
+    # the early K wait and the pinned softmax tail are options of the unchained step
+    chain = bs.chain_qk and not (bs.early_k_wait or bs.sum_before_sync)
     pair_heads = group % 2 == 0
     mc = 2 if (bs.kv_multicast and not interpret and (pair_heads or n_qt % 2 == 0)) else 1
     item_rows = n_wg * bq if pair_heads else mc * n_wg * bq
@@ -88,21 +90,12 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                                              causal)
             rows = mg.iota((bq, bk), 0, interpret) + (q_base + offset)
 
-            def psum(p):  # row sums of P (an array or its K pieces)
-                return sum(x.sum(axis=1) for x in p) if isinstance(p, tuple) else p.sum(axis=1)
-
-            def pcast(p):
-                return tuple(x.astype(dtype) for x in p) if isinstance(p, tuple) else \
-                    p.astype(dtype)
-
             def softmax(s, sc, m, masked):
                 """Raw scores of key tile s -> (P in float32, new max m, rescale alpha).
 
                 m is in log2 units (scores times c). With c > 0 the row max is taken on
                 the raw scores and scaled once per row, so each score is scaled and
                 shifted by one fused multiply-add inside exp2."""
-                if bs.no_softmax:  # measurement bound: the scores go straight to P V
-                    return sc, m, None
                 fused = c > 0
                 if not fused:
                     sc = sc * c  # (bq, bk), log2 units
@@ -112,23 +105,15 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 # Rows with every key masked so far keep m = -inf: shift by 0, not -inf.
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
                 alpha = jnp.exp2(m - m_use)
-
-                def exponent(part):
-                    mm = mg.bcast_rows(m_use, part.shape)
-                    return part * c - mm if fused else part - mm
-                if fma_cols:  # P in two K pieces, the second's exp2 on the FMA pipe
-                    xa, xb = exponent(sc[:, :bk - fma_cols]), exponent(sc[:, bk - fma_cols:])
-                    return (jnp.exp2(xa), jnp.exp2(xb) if masked else mg.exp2_fma(xb, interpret)), \
-                        m_new, alpha
-                return jnp.exp2(exponent(sc)), m_new, alpha
+                if fused:
+                    p = jnp.exp2(sc * c - mg.bcast_rows(m_use, sc.shape))
+                else:
+                    p = jnp.exp2(sc - mg.bcast_rows(m_use, sc.shape))
+                return p, m_new, alpha
 
             # The bound of the early K wait, traced (causal) or a Python int: a concrete
             # array closed over by the wgmma's `during` region fails to lower (jax 0.11).
             k_wait_limit = my_steps if causal else n_kv
-            # rescale_under_qk: the overlapped pipeline scales O by tile j's alpha right
-            # after issuing Q K_{j+1}^T, in that product's shadow, instead of after P V
-            late = bs.rescale_under_qk and not bs.no_softmax
-            fma_cols = bs.exp2_fma_cols if bs.exp2_fma_cols < bk else 0
 
             def wait_next_k(s):
                 if bs.early_k_wait:
@@ -145,10 +130,9 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
                 plgpu.barrier_arrive(k_free.at[slot])
                 p, m_new, alpha = softmax(s, sc, m, masked)
-                if alpha is not None:
-                    acc = acc * mg.bcast_rows(alpha, acc.shape)
-                    l = l * alpha + psum(p)
-                p16 = pcast(p)
+                acc = acc * mg.bcast_rows(alpha, acc.shape)
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
                 if bs.sum_before_sync:
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                 if bs.schedule_barrier:
@@ -172,18 +156,12 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
                 plgpu.barrier_arrive(k_free.at[slot])
                 p, m, alpha = softmax(0, sc, m, masked=True)
-                if alpha is not None:
-                    l = l * alpha + psum(p)
+                l = l * alpha + p.sum(axis=1)
                 sync()
-                if late:  # acc is still zero; alpha (0) keeps it so
-                    return acc, m, l, pcast(p), alpha
-                return acc, m, l, pcast(p)
+                return acc, m, l, p.astype(dtype)
 
             def step_overlapped(s, carry, masked):
-                if late:
-                    acc, m, l, p_prev, alpha_prev = carry
-                else:
-                    acc, m, l, p_prev = carry
+                acc, m, l, p_prev = carry
                 slot, prev = slot_of(s), slot_of(s - 1)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[prev])
@@ -191,26 +169,20 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 def between(sc):  # S_j is ready; PV_{j-1} may still run
                     plgpu.barrier_arrive(k_free.at[slot])
                     p, m_new, alpha = softmax(s, sc, m, masked)
-                    l_new = l if alpha is None else l * alpha + psum(p)
-                    p16 = pcast(p)
+                    l_new = l * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
                     sync()
-                    return p16, m_new, l_new, m_new if alpha is None else alpha
+                    return p16, m_new, l_new, alpha
 
-                before_pv = (lambda a: a * mg.bcast_rows(alpha_prev, a.shape)) if late else None
                 acc, (p16, m, l, alpha) = mg.dot_overlapped(
                     q_tile, k_smem.at[slot], p_prev, v_smem.at[prev], acc, between,
-                    sim=interpret, during=sync, before_pv=before_pv)
+                    sim=interpret, during=sync)
                 plgpu.barrier_arrive(v_free.at[prev])
-                if late:
-                    return acc, m, l, p16, alpha
-                if not bs.no_softmax:
-                    acc = acc * mg.bcast_rows(alpha, acc.shape)
+                acc = acc * mg.bcast_rows(alpha, acc.shape)
                 return acc, m, l, p16
 
             def last(carry):
-                acc, m, l, p_prev = carry[:4]
-                if late:
-                    acc = acc * mg.bcast_rows(carry[4], acc.shape)
+                acc, m, l, p_prev = carry
                 prev = slot_of(my_steps - 1)
                 plgpu.barrier_wait(v_bar.at[prev])
                 acc = mg.dot(p_prev, v_smem.at[prev], acc=acc, a_ref=False, sim=interpret)
@@ -226,9 +198,10 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                                       functools.partial(step_overlapped, masked=True), carry)
                 return last(carry)
 
-            # chain_qk (ping-pong): step j runs the softmax of tile j, then issues
-            # P_j V_j and Q K_{j+1}^T together, so the tensor pipe has no gap between
-            # this warpgroup's two products. The same two rendezvous a tile as `step`.
+            # chain_qk (the ping-pong schedule): step j runs the softmax of tile j, then
+            # issues P_j V_j and Q K_{j+1}^T together, so this warpgroup's two products
+            # reach the tensor pipe back to back (in `step`, Q K_{j+1}^T waits until P_j V_j
+            # is done and the next step has begun). The same two rendezvous a tile.
             def chain_first(carry):
                 acc, m, l = carry
                 slot = slot_of(0)
@@ -240,17 +213,18 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             def chain_softmax(s, carry, masked):
                 acc, m, l, sc = carry
                 p, m_new, alpha = softmax(s, sc, m, masked)
-                if alpha is not None:
-                    acc = acc * mg.bcast_rows(alpha, acc.shape)
-                    l = l * alpha + psum(p)
-                return acc, m_new, l, pcast(p)
+                acc = acc * mg.bcast_rows(alpha, acc.shape)
+                return acc, m_new, l * alpha + p.sum(axis=1), p.astype(dtype)
+
+            def chain_pv(slot):
+                if bs.schedule_barrier:
+                    plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
 
             def chain_step(s, carry, masked):
                 acc, m, l, p16 = chain_softmax(s, carry, masked)
                 slot, nxt = slot_of(s), slot_of(s + 1)
-                if bs.schedule_barrier:
-                    plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(v_bar.at[slot])
+                chain_pv(slot)
                 plgpu.barrier_wait(k_bar.at[nxt])
                 if bs.schedule_barrier:
                     plgpu.barrier_wait(sched)
@@ -261,12 +235,11 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 return acc, m, l, sc
 
             def chain_last(carry):
+                # the last tile: P V alone; masked, which is exact for any tile
                 s = my_steps - 1
                 acc, m, l, p16 = chain_softmax(s, carry, masked=True)
                 slot = slot_of(s)
-                if bs.schedule_barrier:
-                    plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(v_bar.at[slot])
+                chain_pv(slot)
                 if bs.schedule_barrier:
                     plgpu.barrier_wait(sched)
                 acc = mg.dot(p16, v_smem.at[slot], acc=acc, a_ref=False, sim=interpret)
@@ -277,8 +250,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 carry = chain_first(carry)
                 lo = jnp.minimum(n_full, my_steps - 1)
                 carry = lax.fori_loop(0, lo, functools.partial(chain_step, masked=False), carry)
-                carry = lax.fori_loop(lo, my_steps - 1, functools.partial(chain_step, masked=True),
-                                      carry)
+                carry = lax.fori_loop(lo, my_steps - 1,
+                                      functools.partial(chain_step, masked=True), carry)
                 return chain_last(carry)
 
             def skip(s, _):
@@ -310,8 +283,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                     acc, m, l = lax.cond(my_steps > 0, overlapped, lambda c: c, carry)
                 else:
                     acc, m, l = overlapped(carry)
-            elif bs.chain_qk:
-                if causal:
+            elif chain:
+                if causal:  # a slab that sees no key (Sq > Skv) skips the pipeline
                     acc, m, l = lax.cond(my_steps > 0, chained, lambda c: c, carry)
                 else:
                     acc, m, l = chained(carry)

@@ -101,52 +101,6 @@ def iota(shape, dim, sim: bool):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-# 2^f on [-0.5, 0.5]: degree-3 fit of the relative error (max 7.5e-5 in float32)
-EXP2_POLY = (0.99992830, 0.69326091, 0.24260791, 0.05517025)
-
-
-def exp2_fma(x, sim: bool = False):
-    """2^x for finite x <= 0 on the FMA pipe rather than the MUFU (the MUFU gives an
-    SM 16 results a cycle, so a warp's 64 exponentials a key tile take 512 cycles of
-    it). x = j + f with j = round(x): 2^f by a polynomial, j added to its exponent
-    bits. Relative error 7.5e-5, far below the bf16 rounding of P. Inputs below -126
-    give about 2^-126, not 0: masked scores (-inf) must not come here. `sim`: under
-    XLA (the simulator), which would otherwise fold the rounding away."""
-    x = jnp.maximum(x, -126.0)
-    t = x + 12582912.0  # 1.5 * 2^23: the low mantissa bits of t hold round(x)
-    if sim:  # XLA on the CPU would fold (x + C) - C into x
-        t = lax.optimization_barrier(t)
-    f = x - (t - 12582912.0)
-    c0, c1, c2, c3 = EXP2_POLY
-    p = ((c3 * f + c2) * f + c1) * f + c0
-    j = lax.shift_left(lax.bitcast_convert_type(t, jnp.int32), jnp.int32(23))
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(p, jnp.int32) + j, jnp.float32)
-
-
-def wgmma_pieces(ref, a, b) -> int:
-    """ref += a @ b with wgmma (committed); a is a register array or a tuple of them
-    split along K, each multiplied with its rows of the SMEM ref b. -> groups committed."""
-    if not isinstance(a, tuple):
-        plgpu.wgmma(ref, a, b)
-        return 1
-    off = 0
-    for piece in a:
-        plgpu.wgmma(ref, piece, b.at[pl.ds(off, piece.shape[1])])
-        off += piece.shape[1]
-    return len(a)
-
-
-def _sim_pieces_dot(a, b):
-    """The simulator's a @ b for a register array or a tuple of K pieces (b an array)."""
-    pieces = a if isinstance(a, tuple) else (a,)
-    out, off = None, 0
-    for piece in pieces:
-        r = lax.dot_general(piece, b[off:off + piece.shape[1]], (((1,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-        out, off = (r if out is None else out + r), off + piece.shape[1]
-    return out
-
-
 def dot(a, b, *, sim: bool, acc=None, trans_b: bool = False, a_ref: bool = True,
          during=None):
     """acc + a @ b (b^T when trans_b) in float32 with wgmma; acc None starts from zero.
@@ -157,13 +111,9 @@ def dot(a, b, *, sim: bool, acc=None, trans_b: bool = False, a_ref: bool = True,
     transposed refs, so there the operands are read and multiplied as arrays.
     """
     if sim:
-        if isinstance(a, tuple):
-            r = _sim_pieces_dot(a, b[...])
-        else:
-            av = a[...] if a_ref else a
-            dims = ((1,), (1,)) if trans_b else ((1,), (0,))
-            r = lax.dot_general(av, b[...], (dims, ((), ())),
-                                preferred_element_type=jnp.float32)
+        av = a[...] if a_ref else a
+        dims = ((1,), (1,)) if trans_b else ((1,), (0,))
+        r = lax.dot_general(av, b[...], (dims, ((), ())), preferred_element_type=jnp.float32)
         if during is not None:
             during()
         return r if acc is None else acc + r
@@ -179,35 +129,29 @@ def dot(a, b, *, sim: bool, acc=None, trans_b: bool = False, a_ref: bool = True,
         return pl.run_scoped(fresh, plgpu.ACC((m, n), jnp.float32))
 
     def body(ref):
-        wgmma_pieces(ref, a, bb)
+        plgpu.wgmma(ref, a, bb)
         if during is not None:
             during()
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
-def dot_overlapped(q, k, p, v, acc, between, *, sim: bool, during=None, before_pv=None):
-    """(before_pv(acc) + p @ v, between(q @ k^T)): the two products issued back to back
-    as async wgmmas (q, k, v SMEM refs; p, acc float32/16 register arrays), S = q @ k^T
-    awaited first, so `between` runs while p @ v may still be in flight. `before_pv`
-    (default: none) runs on acc after q @ k^T is issued, in its shadow. `during` runs
-    after both are issued. In the simulator the same arithmetic runs in the same order."""
+def dot_overlapped(q, k, p, v, acc, between, *, sim: bool, during=None):
+    """(acc + p @ v, between(q @ k^T)): the two products issued back to back as async
+    wgmmas (q, k, v SMEM refs; p, acc float32/16 register arrays), S = q @ k^T awaited
+    first, so `between` runs while p @ v may still be in flight. `during` runs after
+    both are issued. In the simulator the same arithmetic runs in the same order."""
     if sim:
         s = dot(q, k, trans_b=True, sim=True, during=during)
-        if before_pv is not None:
-            acc = before_pv(acc)
         res = between(s)
         return dot(p, v, acc=acc, a_ref=False, sim=True), res
 
     def scoped(s_ref, o_ref):
-        if before_pv is None:
-            o_ref[...] = acc
+        o_ref[...] = acc
         plgpu.wgmma(s_ref, q, k.transpose((1, 0)))
-        if before_pv is not None:
-            o_ref[...] = before_pv(acc)
-        n_pv = wgmma_pieces(o_ref, p, v)
+        plgpu.wgmma(o_ref, p, v)
         if during is not None:
             during()
-        res = between(plgpu.wgmma_accumulator_load(s_ref, wait_n=n_pv))
+        res = between(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
         return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), res
     return pl.run_scoped(scoped, plgpu.ACC((q.shape[0], k.shape[0]), jnp.float32),
                          plgpu.ACC(acc.shape, jnp.float32))
@@ -216,8 +160,8 @@ def dot_overlapped(q, k, p, v, acc, between, *, sim: bool, during=None, before_p
 def dot_pv_qk(p, v, acc, q, k, *, sim: bool, during=None):
     """(acc + p @ v, q @ k^T), both awaited: p @ v issued first (p, acc register arrays;
     v, q, k SMEM refs), then q @ k^T right behind it, so the tensor pipe gets the two
-    back to back. p's registers are defined before the first wgmma: ptxas need not
-    serialise the pair (as it does, warning C7513, when a register operand is formed
+    back to back. p's registers are defined before the first wgmma, so ptxas need not
+    serialise the pair (it does, warning C7513, when a register operand is formed
     between them). `during` runs after both are issued."""
     if sim:
         o = dot(p, v, acc=acc, a_ref=False, sim=True)
@@ -225,7 +169,7 @@ def dot_pv_qk(p, v, acc, q, k, *, sim: bool, during=None):
 
     def scoped(s_ref, o_ref):
         o_ref[...] = acc
-        wgmma_pieces(o_ref, p, v)
+        plgpu.wgmma(o_ref, p, v)
         plgpu.wgmma(s_ref, q, k.transpose((1, 0)))
         if during is not None:
             during()
