@@ -13,7 +13,8 @@ the CTA's tile; all compute warpgroups of a CTA consume the same stream.
             scale * log2 e inside the exponent's multiply-add; running max m and sum l
             in float32), O += P V. By default (see default_block_sizes) causal
             attention ping-pongs the two warpgroups on a schedule barrier, so one's
-            softmax overlaps the other's matmuls; full attention at D = 128 instead
+            softmax overlaps the other's matmuls, and each warpgroup issues a tile's
+            P V together with the next tile's Q K^T; full attention at D = 128 instead
             overlaps each warpgroup's softmax with its own next QK^T and current PV
             (FA3's intra-warpgroup pipelining). Writes O and LSE = (m + log2 l) * ln 2.
   dq        work items (q tile, Hq, B); streams K, V; dS = P (dO V^T - delta), dQ += dS K.
