@@ -149,12 +149,17 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             # overlap_softmax: tile 0 runs QK + softmax alone, step j (>= 1) issues QK_j
             # and PV_{j-1} together and runs softmax j under PV_{j-1}, the last PV runs
             # alone. Two schedule-barrier rendezvous per tile, as in `step`.
-            def first(carry):
-                acc, m, l = carry
+            def scores0():
+                """Q K_0^T, one rendezvous while it runs; K_0's slot released."""
                 slot = slot_of(0)
                 plgpu.barrier_wait(k_bar.at[slot])
                 sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
                 plgpu.barrier_arrive(k_free.at[slot])
+                return sc
+
+            def first(carry):
+                acc, m, l = carry
+                sc = scores0()
                 p, m, alpha = softmax(0, sc, m, masked=True)
                 l = l * alpha + p.sum(axis=1)
                 sync()
@@ -202,14 +207,6 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             # issues P_j V_j and Q K_{j+1}^T together, so this warpgroup's two products
             # reach the tensor pipe back to back (in `step`, Q K_{j+1}^T waits until P_j V_j
             # is done and the next step has begun). The same two rendezvous a tile.
-            def chain_first(carry):
-                acc, m, l = carry
-                slot = slot_of(0)
-                plgpu.barrier_wait(k_bar.at[slot])
-                sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
-                plgpu.barrier_arrive(k_free.at[slot])
-                return acc, m, l, sc
-
             def chain_softmax(s, carry, masked):
                 acc, m, l, sc = carry
                 p, m_new, alpha = softmax(s, sc, m, masked)
@@ -247,7 +244,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 return acc, m, l
 
             def chained(carry):
-                carry = chain_first(carry)
+                carry = (*carry, scores0())
                 lo = jnp.minimum(n_full, my_steps - 1)
                 carry = lax.fori_loop(0, lo, functools.partial(chain_step, masked=False), carry)
                 carry = lax.fori_loop(lo, my_steps - 1,
