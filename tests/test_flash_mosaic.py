@@ -119,8 +119,8 @@ def test_grid_and_backward_options(shape, causal, opts):
     # 192-key tiles: 3 query tiles over 2 persistent programs with one Q buffer (two
     # do not fit in shared memory beside the ring)
     (dict(block_kv=192), False, 128, 384, 400)],
-    ids=["overlap_softmax", "early_k_wait_sum_before_sync", "unchained_step", "default_full_d128",
-         "one_key_tile", "persistent_odd_tiles", "kv192_one_q_buffer"])
+    ids=["overlap_softmax", "early_k_wait_sum_before_sync", "unchained_step",
+         "default_full_d128", "one_key_tile", "persistent_odd_tiles", "kv192_one_q_buffer"])
 def test_forward_schedule_options(opts, causal, d, sq, skv):
     # Same arithmetic, other wgmma/barrier order: the simulator checks the ring's barriers
     # (both slabs, a tile only one of them sees, masked and unmasked tiles).
@@ -134,7 +134,8 @@ def test_forward_schedule_options(opts, causal, d, sq, skv):
     np.testing.assert_allclose(lse, lse_ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("causal, sq, skv", [(True, 256, 200), (True, 200, 64), (False, 200, 330)],
+@pytest.mark.parametrize("causal, sq, skv",
+                         [(True, 256, 200), (True, 200, 64), (False, 200, 330)],
                          ids=["causal_sq_gt_skv", "causal_rows_without_keys", "full_ragged"])
 def test_chain_qk_is_the_unchained_step_reordered(causal, sq, skv):
     # chain_qk only moves when Q K_{j+1}^T is issued: the arithmetic, and so every bit of

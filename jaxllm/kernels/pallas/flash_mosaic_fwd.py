@@ -41,14 +41,14 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     stages = min(stages, n_kv)
     n_kv_full_tail = skv // bk  # key tiles without padded keys
     c = scale * LOG2E
+    # the early K wait and the pinned softmax tail are options of the unchained step
+    chain = bs.chain_qk and not (bs.early_k_wait or bs.sum_before_sync)
     dtype = jnp.dtype(q.dtype)
     # kv_multicast: CTAs in clusters of two, each K/V tile loaded once from L2 and
     # multicast into both CTAs' rings (not simulated). The pair is two query heads of one
     # GQA group on the same query tile (the same keys and, causal, the same number of key
     # tiles) or, where the group is odd (MHA, for one), neighbouring query tiles of one
     # head. The schedule deals the clusters' work items.
-    # the early K wait and the pinned softmax tail are options of the unchained step
-    chain = bs.chain_qk and not (bs.early_k_wait or bs.sum_before_sync)
     pair_heads = group % 2 == 0
     mc = 2 if (bs.kv_multicast and not interpret and (pair_heads or n_qt % 2 == 0)) else 1
     item_rows = n_wg * bq if pair_heads else mc * n_wg * bq
@@ -213,7 +213,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 acc = acc * mg.bcast_rows(alpha, acc.shape)
                 return acc, m_new, l * alpha + p.sum(axis=1), p.astype(dtype)
 
-            def chain_pv(slot):
+            def arrive_wait_v(slot):  # the softmax is done: hand over, then wait for V
                 if bs.schedule_barrier:
                     plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
@@ -221,7 +221,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             def chain_step(s, carry, masked):
                 acc, m, l, p16 = chain_softmax(s, carry, masked)
                 slot, nxt = slot_of(s), slot_of(s + 1)
-                chain_pv(slot)
+                arrive_wait_v(slot)
                 plgpu.barrier_wait(k_bar.at[nxt])
                 if bs.schedule_barrier:
                     plgpu.barrier_wait(sched)
@@ -236,7 +236,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 s = my_steps - 1
                 acc, m, l, p16 = chain_softmax(s, carry, masked=True)
                 slot = slot_of(s)
-                chain_pv(slot)
+                arrive_wait_v(slot)
                 if bs.schedule_barrier:
                     plgpu.barrier_wait(sched)
                 acc = mg.dot(p16, v_smem.at[slot], acc=acc, a_ref=False, sim=interpret)
