@@ -132,12 +132,11 @@ def test_forward_schedule_options(opts, causal, d, sq, skv):
     np.testing.assert_allclose(lse, lse_ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("causal, sq, skv", [(True, 200, 130), (False, 130, 200)],
-                         ids=["causal_rows_without_keys", "full_ragged"])
-def test_chain_qk_is_the_unchained_step_reordered(causal, sq, skv):
+def test_chain_qk_is_the_unchained_step_reordered():
     # chain_qk only moves when Q K_{j+1}^T is issued: every bit of o and the LSE must be
-    # those of the unchained step (rows that see no key included), and both match the
-    # reference.
+    # those of the unchained step, and both match the reference. Causal with Sq > Skv and
+    # a ragged key tail: 58 rows see no key, the others one or two key tiles.
+    causal, sq, skv = True, 128, 70
     q, k, v, _, _, seen = flash_inputs(5, 1, sq, skv, 1, 1, 64, causal, jnp.bfloat16)
     opts = dict(block_kv=64, overlap_softmax=False, schedule_barrier=True)
     o1, lse1 = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, **opts)
@@ -151,7 +150,7 @@ def test_chain_qk_is_the_unchained_step_reordered(causal, sq, skv):
     o32 = np.asarray(o0, np.float32)
     np.testing.assert_allclose(o32[:, seen], o_ref[:, seen], atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(lse0[:, :, seen], lse_ref[:, :, seen], atol=2e-2, rtol=2e-2)
-    assert causal == (not seen.all())  # the causal case has rows that see no key
+    assert not seen.all()
     np.testing.assert_array_equal(o32[:, ~seen], 0.0)
     assert np.isneginf(np.asarray(lse0[:, :, ~seen])).all()
 
