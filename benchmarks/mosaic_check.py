@@ -46,6 +46,9 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
     "mosaic no-chain": dict(PINGPONG, chain_qk=False),
     "mosaic early-k": dict(PINGPONG, early_k_wait=True),
     "mosaic early-k sum": dict(PINGPONG, early_k_wait=True, sum_before_sync=True),
+    # each row's first key tile's max kept as its shift for the whole stream
+    "mosaic fixed-max": dict(fixed_max=True),
+    "mosaic pingpong fixed-max": dict(PINGPONG, fixed_max=True),
     "mosaic overlap": dict(overlap_softmax=True, schedule_barrier=True),
     "mosaic overlap no-pingpong": dict(overlap_softmax=True, schedule_barrier=False),
     "mosaic bq128 bk64": dict(PINGPONG, block_q=128, block_kv=64),
@@ -63,7 +66,8 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
 # pallas_triton); the default and the new forward schedules also get a correctness check.
 HEADLINE_SKIP = ("mosaic bk64 st3", "mosaic bwd 1wg st3", "mosaic grid serial-bwd",
                  "mosaic fused-dq")
-HEADLINE_CHECK = ("mosaic pingpong", "mosaic no-chain", "mosaic early-k", "mosaic early-k sum",
+HEADLINE_CHECK = ("mosaic pingpong", "mosaic no-chain", "mosaic fixed-max",
+                  "mosaic pingpong fixed-max", "mosaic early-k", "mosaic early-k sum",
                   "mosaic overlap", "mosaic overlap no-pingpong", "mosaic bq128 bk64")
 
 

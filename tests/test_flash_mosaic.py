@@ -22,7 +22,7 @@ import pytest
 
 from attention_inputs import flash_inputs
 from jaxllm.kernels import flash_attention, reference
-from jaxllm.kernels.pallas import flash_mosaic
+from jaxllm.kernels.pallas import flash_mosaic, flash_mosaic_fwd
 
 
 def _is_hopper():
@@ -155,6 +155,49 @@ def test_chain_qk_is_the_unchained_step_reordered():
     assert np.isneginf(np.asarray(lse0[:, :, ~seen])).all()
 
 
+def _outgrowing_inputs(b, sq, skv, hq, d, causal, seed=7, hot=(128, 256)):
+    """Inputs where the query rows hot[0]:hot[1] score the first 64 keys some 45 nats
+    below the rest (130 in log2 units): shifted by their first key tile's max, their
+    later terms would overflow float32. The other rows are plain random ones."""
+    q, k, v, *_, seen = flash_inputs(seed, b, sq, skv, hq, 1, d, causal, jnp.bfloat16)
+    u = jnp.ones((d,), jnp.float32) / np.sqrt(d)  # unit vector
+    gain = np.sqrt(90.0 * np.sqrt(d) / 2)  # (gain u) . (+-gain u) * d^-0.5 = +-45
+    qf = q.astype(jnp.float32).at[:, hot[0]:hot[1]].add(gain * u)
+    kf = k.astype(jnp.float32).at[:, :64].add(-gain * u).at[:, 64:].add(gain * u)
+    return qf.astype(jnp.bfloat16), kf.astype(jnp.bfloat16), v, seen
+
+
+@pytest.mark.parametrize("opts, causal", [
+    (dict(block_kv=64), True),  # the chained ping-pong
+    (dict(block_kv=64, overlap_softmax=True, schedule_barrier=False), False)],
+    ids=["pingpong_causal", "overlapped_full"])
+def test_fixed_max_runs_outgrown_tiles_again(opts, causal, monkeypatch):
+    # fixed_max: 3 query tiles of 128 rows over the simulator's 2 persistent programs;
+    # the middle tile's rows outgrow their first key tile's max by 130 (log2 units), so
+    # that tile runs a second time with the running max once its program is done.
+    sq, skv, d = 384, 256, 64
+    q, k, v, seen = _outgrowing_inputs(1, sq, skv, 1, d, causal)
+    fixed = functools.partial(flash_mosaic.flash_attention_with_lse, q, k, v, causal=causal,
+                              fixed_max=True, **opts)
+    o, lse = fixed()
+    with jax.default_matmul_precision("highest"):
+        o_ref, lse_ref = reference.flash_attention_with_lse(
+            *(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
+    o32 = np.asarray(o, np.float32)
+    np.testing.assert_allclose(o32[:, seen], o_ref[:, seen], atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(lse[:, :, seen], lse_ref[:, :, seen], atol=2e-2, rtol=2e-2)
+    np.testing.assert_array_equal(o32[:, ~seen], 0.0)
+    assert np.isneginf(np.asarray(lse[:, :, ~seen])).all()
+    # without the second pass those rows are lost (so the case above needed it)
+    monkeypatch.setattr(flash_mosaic_fwd, "FIXED_MAX_SUM_LIMIT", float("inf"))
+    o_once, lse_once = fixed()
+    hot = np.zeros(sq, bool)
+    hot[128:256] = True
+    assert not np.isfinite(np.asarray(lse_once)[:, :, hot & seen]).all()
+    np.testing.assert_allclose(np.asarray(o_once, np.float32)[:, ~hot & seen],
+                               o_ref[:, ~hot & seen], atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "grid"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("n_t, heads, batch, sms", [(7, 3, 2, 5), (4, 2, 1, 3), (6, 1, 1, 8),
@@ -262,6 +305,27 @@ def test_gpu_kv_multicast(name, opts, causal):
     # clusters, so this runs on the GPU only)
     shape = _MHA_PAIRED_TILES if name == "mha_paired_tiles" else _GPU_SHAPES[name]
     _check(*shape, causal=causal, tol=3e-2, kv_multicast=True, **opts)
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("name", list(_GPU_SHAPES))
+def test_gpu_fixed_max(name, causal):
+    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2, fixed_max=True)
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_fixed_max_runs_outgrown_tiles_again(causal):
+    # many programs, each several tiles; the rows 1024..1279 of every head outgrow their
+    # first key tile's max (see _outgrowing_inputs), their tiles run a second time
+    q, k, v, seen = _outgrowing_inputs(2, 4096, 4096, 8, 128, causal, hot=(1024, 1280))
+    o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, fixed_max=True)
+    o0, lse0 = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal)
+    assert np.isfinite(np.asarray(lse)).all()
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse0), atol=1e-3, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o0, np.float32),
+                               atol=2e-2, rtol=2e-2)
 
 
 @hopper_only

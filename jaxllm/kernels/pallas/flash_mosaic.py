@@ -84,6 +84,17 @@ class BlockSizes:
     overlap_softmax: forward; FA3 intra-warpgroup overlap: step j issues Q K_j^T and then
       P_{j-1} V_{j-1} as two async wgmmas, and runs the softmax of tile j while the PV
       wgmma is still in flight (one more S-sized tile of registers).
+    fixed_max: forward, chained or overlapped schedule; each query row's scores are
+      shifted by the row's max over its first key tile, kept for the whole stream,
+      instead of by a running max: after the first tile, no row max, no rescaling of O
+      and no wait for the max before the exponentials. The row's sum of exponentials is
+      then at least 1 (the first tile's max term); while it stays below 2^64 no term
+      overflows float32 (a later score would have to exceed the first tile's max by
+      about 64 - log2(Skv) in log2 units, some 40 nats, to pass it). A tile with a row
+      past it is flagged, and once the program's other tiles are done it runs again
+      with the running max (its K/V streamed again). Not with kv_multicast, nor where
+      the flags (4 bytes a tile and warpgroup) do not fit in shared memory; there the
+      running max is used.
     persistent: forward; one CTA per SM, each looping over the (q tile, head, batch)
       work items pid, pid + #SMs, ... (causal: heaviest tiles first, dealt in rounds of
       alternating direction; see mosaic_common.TileSchedule): the producer streams the
@@ -118,6 +129,7 @@ class BlockSizes:
     sum_before_sync: bool = False
     chain_qk: bool = True
     overlap_softmax: bool = False
+    fixed_max: bool = False
     persistent: bool = False
     kv_multicast: bool = False
     persistent_dq: bool = False

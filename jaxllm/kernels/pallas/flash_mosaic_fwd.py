@@ -20,6 +20,11 @@ from jaxllm.kernels.pallas.mosaic_common import LN2, LOG2E
 # threads and 128 producer threads must fit the SM's 64K registers).
 FWD_REGISTERS = (232, 40)
 N_WG = 2  # compute warpgroups a CTA
+# fixed_max: a row's sum of exponentials against its first key tile's max is at least 1
+# (that max's own term); above this bound a later score was so much larger that terms
+# might overflow float32, and the tile runs again with a running max.
+FIXED_MAX_SUM_LIMIT = 2.0 ** 64
+FLAG_SCRATCH = 64  # shared-memory bytes of the warpgroup-wide reduction to a tile's flag
 
 
 def tile_bytes(block_q: int, block_kv: int, stages: int, d: int, itemsize: int = 2,
@@ -60,11 +65,22 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     # 192-key tiles at D = 128.
     fits_two = tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=2) <= mg.SMEM_BUDGET
     n_qbuf = 2 if order.multi and fits_two else 1
+    # fixed_max: the pipelined schedules (the chained ping-pong, the overlapped one),
+    # without clusters, where a flag per tile and warpgroup fits in shared memory.
+    max_tiles = -(-order.n_items // order.programs)
+    fixed_max = (bs.fixed_max and (bs.overlap_softmax or chain) and mc == 1 and
+                 tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=n_qbuf)
+                 + n_wg * (bq + max_tiles) * 4 + FLAG_SCRATCH <= mg.SMEM_BUDGET)
 
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
-               q_bar, k_bar, v_bar, k_free, v_free, sched):
+               q_bar, k_bar, v_bar, k_free, v_free, sched, *redo_scratch):
         pid, wg = lax.axis_index("programs"), lax.axis_index("wg")
         n_mine = order.count(pid)
+        if fixed_max:
+            flags, flags_bar = redo_scratch
+
+            def flagged(i):  # a row of tile i overflowed in either warpgroup's slab
+                return sum(flags[i, w] for w in range(n_wg)) > 0
 
         rank = lax.axis_index("cluster") if mc > 1 else 0
 
@@ -82,20 +98,27 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(sched)
 
-        def attend(q_tile, bi, h, tile_base, n_steps, base):
-            """One CTA tile: stream its n_steps key tiles, ring steps base, base + 1, ..."""
+        def attend(q_tile, bi, h, tile_base, n_steps, base, fixed=False):
+            """One CTA tile: stream its n_steps key tiles, ring steps base, base + 1, ...
+            fixed: shift each row by its first key tile's max (fixed_max); returns
+            whether a row of this warpgroup's slab overflowed the bound, else None."""
             slot_of = lambda s: lax.rem(base + s, jnp.int32(stages))
             q_base = tile_base + wg * bq
             my_steps, n_full = mg.slab_steps(q_base, bq, bk, offset, n_steps, n_kv_full_tail,
                                              causal)
             rows = mg.iota((bq, bk), 0, interpret) + (q_base + offset)
 
-            def softmax(s, sc, m, masked):
+            def softmax(s, sc, m, masked, keep_max=False):
                 """Raw scores of key tile s -> (P in float32, new max m, rescale alpha).
 
                 m is in log2 units (scores times c). With c > 0 the row max is taken on
                 the raw scores and scaled once per row, so each score is scaled and
-                shifted by one fused multiply-add inside exp2."""
+                shifted by one fused multiply-add inside exp2. keep_max: m is the row's
+                fixed shift (finite), alpha None."""
+                if keep_max:
+                    if masked:
+                        sc = mg.mask_scores(sc, s * bk, skv, rows, causal, interpret)
+                    return jnp.exp2(sc * c - mg.bcast_rows(m, sc.shape)), m, None
                 fused = c > 0
                 if not fused:
                     sc = sc * c  # (bq, bk), log2 units
@@ -165,6 +188,9 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 sync()
                 return acc, m, l, p.astype(dtype)
 
+            def finite(m):  # a row that sees no key keeps a shift of 0
+                return jnp.where(m == -jnp.inf, 0.0, m)
+
             def step_overlapped(s, carry, masked):
                 acc, m, l, p_prev = carry
                 slot, prev = slot_of(s), slot_of(s - 1)
@@ -173,8 +199,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
 
                 def between(sc):  # S_j is ready; PV_{j-1} may still run
                     plgpu.barrier_arrive(k_free.at[slot])
-                    p, m_new, alpha = softmax(s, sc, m, masked)
-                    l_new = l * alpha + p.sum(axis=1)
+                    p, m_new, alpha = softmax(s, sc, m, masked, keep_max=fixed)
+                    l_new = (l if fixed else l * alpha) + p.sum(axis=1)
                     p16 = p.astype(dtype)
                     sync()
                     return p16, m_new, l_new, alpha
@@ -183,7 +209,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                     q_tile, k_smem.at[slot], p_prev, v_smem.at[prev], acc, between,
                     sim=interpret, during=sync)
                 plgpu.barrier_arrive(v_free.at[prev])
-                acc = acc * mg.bcast_rows(alpha, acc.shape)
+                if not fixed:
+                    acc = acc * mg.bcast_rows(alpha, acc.shape)
                 return acc, m, l, p16
 
             def last(carry):
@@ -196,12 +223,16 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
 
             def overlapped(carry):
                 carry = first(carry)
+                m0 = carry[1]
+                if fixed:  # tile 0's max is every later tile's shift
+                    carry = (carry[0], finite(m0), *carry[2:])
                 lo = jnp.maximum(n_full, 1)
                 carry = lax.fori_loop(1, lo, functools.partial(step_overlapped, masked=False),
                                       carry)
                 carry = lax.fori_loop(lo, my_steps,
                                       functools.partial(step_overlapped, masked=True), carry)
-                return last(carry)
+                acc, m, l = last(carry)
+                return acc, jnp.where(m0 == -jnp.inf, m0, m) if fixed else m, l
 
             # chain_qk (the ping-pong schedule): step j runs the softmax of tile j, then
             # issues P_j V_j and Q K_{j+1}^T together, so this warpgroup's two products
@@ -209,7 +240,9 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             # is done and the next step has begun). The same two rendezvous a tile.
             def chain_softmax(s, carry, masked):
                 acc, m, l, sc = carry
-                p, m_new, alpha = softmax(s, sc, m, masked)
+                p, m_new, alpha = softmax(s, sc, m, masked, keep_max=fixed)
+                if fixed:
+                    return acc, m, l + p.sum(axis=1), p.astype(dtype)
                 acc = acc * mg.bcast_rows(alpha, acc.shape)
                 return acc, m_new, l * alpha + p.sum(axis=1), p.astype(dtype)
 
@@ -244,12 +277,20 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 return acc, m, l
 
             def chained(carry):
-                carry = (*carry, scores0())
+                acc, m0, l = carry
+                sc0 = scores0()
+                if fixed:  # tile 0's max is every tile's shift
+                    sc_m = mg.mask_scores(sc0, 0, skv, rows, causal, interpret)
+                    m0 = sc_m.max(axis=1) * c if c > 0 else (sc_m * c).max(axis=1)
+                    carry = (acc, finite(m0), l, sc0)
+                else:
+                    carry = (*carry, sc0)
                 lo = jnp.minimum(n_full, my_steps - 1)
                 carry = lax.fori_loop(0, lo, functools.partial(chain_step, masked=False), carry)
                 carry = lax.fori_loop(lo, my_steps - 1,
                                       functools.partial(chain_step, masked=True), carry)
-                return chain_last(carry)
+                acc, m, l = chain_last(carry)
+                return acc, jnp.where(m0 == -jnp.inf, m0, m) if fixed else m, l
 
             def skip(s, _):
                 # A tile the other warpgroup needs: release the slot, keep the ping-pong.
@@ -295,7 +336,10 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             empty = l == 0.0
             l_safe = jnp.where(empty, 1.0, l)
             o = acc * mg.bcast_rows(1.0 / l_safe, acc.shape)
-            lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+            lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+            if fixed:  # NaN marks a row whose later scores outgrew the first tile's max
+                lse = jnp.where(l > FIXED_MAX_SUM_LIMIT, jnp.nan, lse)
+            lse_smem.at[wg][...] = lse
             q_tile[...] = o.astype(dtype)  # Q is spent: its buffer stages O
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_tile, o_ref.at[bi, pl.ds(q_base, bq), h],
@@ -303,6 +347,9 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, h, pl.ds(q_base, bq)],
                                     commit_group=False)
             plgpu.commit_smem_to_gmem_group()
+            if fixed:  # whether any row of the slab outgrew its shift
+                return jnp.max(jnp.where(l > FIXED_MAX_SUM_LIMIT, 1.0, 0.0)) > 0.0
+            return None
 
         @pl.when(wg < n_wg)
         def _compute():
@@ -313,13 +360,20 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(tile_base + wg * bq, bq), h],
                                         q_smem.at[buf, wg], q_bar.at[buf * n_wg + wg])
 
-            def tile(i, buf, base):
+            def tile(i, buf, base, fixed=fixed_max):
                 bi, h, tile_base, n_steps = coords(i)
-                attend(q_smem.at[buf, wg], bi, h, tile_base, n_steps, base)
+                bad = attend(q_smem.at[buf, wg], bi, h, tile_base, n_steps, base, fixed)
+                if fixed:
+                    flags[i, wg] = bad.astype(jnp.int32)
                 return n_steps
 
+            redo = None
+            if fixed_max:  # run the flagged tiles again with a running max
+                redo = (lambda: (plgpu.barrier_arrive(flags_bar), plgpu.barrier_wait(flags_bar)),
+                        flagged, functools.partial(tile, fixed=False))
             mg.consume_tiles(n_mine, n_qbuf, load_q,
-                             lambda buf: plgpu.barrier_wait(q_bar.at[buf * n_wg + wg]), tile)
+                             lambda buf: plgpu.barrier_wait(q_bar.at[buf * n_wg + wg]), tile,
+                             redo=redo)
 
         @pl.when(wg == n_wg)
         def _produce_kv():
@@ -327,7 +381,9 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
 
             mg.produce_kv_tiles(n_mine, stages, coords, group, bk,
                                 (k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free),
-                                collective="cluster" if mc > 1 else None)
+                                collective="cluster" if mc > 1 else None,
+                                redo=(lambda: plgpu.barrier_wait(flags_bar), flagged)
+                                if fixed_max else None)
 
     # a multicast slot is free once the consumers of both CTAs have released it
     free_barrier = (plgpu.Barrier if mc == 1 else
@@ -342,8 +398,10 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
         free_barrier(num_arrivals=n_wg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg),
     ]
+    if fixed_max:  # a flag per tile and warpgroup; the compute warpgroups' last tile done
+        scratch += [plgpu.SMEM((max_tiles, n_wg), jnp.int32), plgpu.Barrier(num_arrivals=n_wg)]
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((b, hq, sq_p), jnp.float32)]
     return mg.launch(kernel, out_type, scratch, grid=(order.programs,), grid_names=("programs",),
                      compute_wgs=n_wg, name="flash_fwd", interpret=interpret, cluster=mc,
-                     reduction_scratch=0)(q, k, v)
+                     reduction_scratch=FLAG_SCRATCH if fixed_max else 0)(q, k, v)

@@ -267,11 +267,16 @@ def drain(total, stages, frees):
             plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
 
 
-def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams, collective=None):
+def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams, collective=None,
+                     redo=None):
     """Producer of a query-tiled program (forward, dq): coords(i) -> (batch, head, _,
     steps) of its tile i, whose key tiles of kv head head // group stream through
     each of `streams`: (GMEM ref [B, S, Hkv, D], ring, loaded barriers, free barriers).
-    Tile i's steps follow tile i - 1's on the ring; `collective` as in produce_steps."""
+    Tile i's steps follow tile i - 1's on the ring; `collective` as in produce_steps.
+
+    redo: None, or (wait, again): after the last tile, wait() and then stream once more
+    the tiles i with again(i) true, in order (the consumers' second pass, see
+    consume_tiles)."""
     def tile(i, base):
         bi, h, _, n_steps = coords(i)
         kv_h = lax.div(h, jnp.int32(group))
@@ -280,17 +285,28 @@ def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams, collective=No
                   for ref, ring, loaded, free in streams]
         produce_steps(base, n_steps, stages, groups, collective)
         return base + n_steps
-    drain(lax.fori_loop(0, n_tiles, tile, jnp.int32(0)), stages,
-          [free for *_, free in streams])
+    total = lax.fori_loop(0, n_tiles, tile, jnp.int32(0))
+    if redo is not None:
+        wait, again = redo
+        wait()
+        total = lax.fori_loop(
+            0, n_tiles, lambda i, base: lax.cond(again(i), tile, lambda i, b: b, i, base),
+            total)
+    drain(total, stages, [free for *_, free in streams])
 
 
-def consume_tiles(n_tiles, n_buf, load, wait, body):
+def consume_tiles(n_tiles, n_buf, load, wait, body, redo=None):
     """Compute-warpgroup loop of a program that runs n_tiles tiles. load(i, buf) issues
     the copies of tile i's own operands (Q and the like) into buffer `buf`, wait(buf)
     awaits them, body(i, buf, base) runs tile i on ring steps base, base + 1, ...,
     stages its output in buffer `buf` for a TMA store and returns its number of steps.
     With two buffers the next tile's operands load during this tile, into the buffer
-    that staged the last output once the TMA has read it; with one, after this tile."""
+    that staged the last output once the TMA has read it; with one, after this tile.
+
+    redo: None, or (done, again, body2): after the last tile (its stores complete),
+    done(), then a second pass over the tiles i with again(i) true, in order, each
+    loaded into buffer 0 and run by body2(i, 0, base) on the ring steps after the first
+    pass's (the producer streams them again: produce_kv_tiles' `redo`)."""
     load(0, 0)
 
     def tile(i, base):
@@ -307,8 +323,22 @@ def consume_tiles(n_tiles, n_buf, load, wait, body):
                 load(i + 1, 0)
         return base + n_steps
 
-    lax.fori_loop(0, n_tiles, tile, jnp.int32(0))
+    total = lax.fori_loop(0, n_tiles, tile, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
+    if redo is not None:
+        done, again, body2 = redo
+        done()
+
+        def tile_again(i, base):
+            load(i, 0)
+            wait(0)
+            n_steps = body2(i, 0, base)
+            plgpu.wait_smem_to_gmem(0)
+            return base + n_steps
+
+        lax.fori_loop(0, n_tiles,
+                      lambda i, base: lax.cond(again(i), tile_again, lambda i, b: b, i, base),
+                      total)
 
 
 class TileSchedule:
