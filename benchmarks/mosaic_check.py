@@ -46,8 +46,10 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
     "mosaic no-chain": dict(PINGPONG, chain_qk=False),
     "mosaic early-k": dict(PINGPONG, early_k_wait=True),
     "mosaic early-k sum": dict(PINGPONG, early_k_wait=True, sum_before_sync=True),
-    # each row's first key tile's max kept as its shift for the whole stream
+    # each row's first key tile's max kept as its shift for the whole stream (the
+    # default at D <= 128), or the running max (the default before)
     "mosaic fixed-max": dict(fixed_max=True),
+    "mosaic running-max": dict(fixed_max=False),
     "mosaic pingpong fixed-max": dict(PINGPONG, fixed_max=True),
     "mosaic overlap": dict(overlap_softmax=True, schedule_barrier=True),
     "mosaic overlap no-pingpong": dict(overlap_softmax=True, schedule_barrier=False),
@@ -67,6 +69,7 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
 HEADLINE_SKIP = ("mosaic bk64 st3", "mosaic bwd 1wg st3", "mosaic grid serial-bwd",
                  "mosaic fused-dq")
 HEADLINE_CHECK = ("mosaic pingpong", "mosaic no-chain", "mosaic fixed-max",
+                  "mosaic running-max",
                   "mosaic pingpong fixed-max", "mosaic early-k", "mosaic early-k sum",
                   "mosaic overlap", "mosaic overlap no-pingpong", "mosaic bq128 bk64")
 

@@ -106,7 +106,8 @@ def test_grid_and_backward_options(shape, causal, opts):
 
 
 @pytest.mark.parametrize("opts, causal, d, sq, skv", [
-    (dict(overlap_softmax=True, block_kv=64), True, 64, 128, 128),
+    # the overlapped schedule with the running max (the default is fixed_max)
+    (dict(overlap_softmax=True, fixed_max=False, block_kv=64), True, 64, 128, 128),
     (dict(early_k_wait=True, sum_before_sync=True, block_kv=64), True, 64, 128, 128),
     # the default full-mask schedule at D = 128 (overlapped, no ping-pong), ragged keys
     (dict(block_kv=64), False, 128, 128, 120),
@@ -138,7 +139,7 @@ def test_chain_qk_is_the_unchained_step_reordered():
     # a ragged key tail: 58 rows see no key, the others one or two key tiles.
     causal, sq, skv = True, 128, 70
     q, k, v, _, _, seen = flash_inputs(5, 1, sq, skv, 1, 1, 64, causal, jnp.bfloat16)
-    opts = dict(block_kv=64, overlap_softmax=False, schedule_barrier=True)
+    opts = dict(block_kv=64, overlap_softmax=False, schedule_barrier=True, fixed_max=False)
     o1, lse1 = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, **opts)
     o0, lse0 = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, chain_qk=False,
                                                      **opts)
@@ -222,7 +223,8 @@ def test_tile_schedule_runs_each_tile_once(n_t, heads, batch, sms, causal, persi
 
 def test_default_schedule_by_mask():
     # the tuned table: ping-pong when causal; full attention at D = 128 overlaps instead;
-    # persistent forward and overlapped backward at D <= 128, a persistent dq when full
+    # persistent forward with fixed_max and overlapped backward at D <= 128, a persistent
+    # dq when full
     full = flash_mosaic.default_block_sizes(128, causal=False)
     assert full.overlap_softmax and not full.schedule_barrier
     for d, causal in ((128, True), (64, False), (64, True)):
@@ -231,8 +233,9 @@ def test_default_schedule_by_mask():
     for d, causal in ((128, True), (128, False), (64, True), (64, False)):
         bs = flash_mosaic.default_block_sizes(d, causal=causal)
         assert bs.persistent and bs.overlap_bwd and bs.persistent_dq == (not causal)
+        assert bs.fixed_max
     big = flash_mosaic.default_block_sizes(256, causal=False)
-    assert not (big.persistent or big.persistent_dq or big.overlap_bwd)
+    assert not (big.persistent or big.persistent_dq or big.overlap_bwd or big.fixed_max)
 
 
 def test_bad_inputs_raise():
