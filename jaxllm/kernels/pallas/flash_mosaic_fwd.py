@@ -66,11 +66,15 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     fits_two = tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=2) <= mg.SMEM_BUDGET
     n_qbuf = 2 if order.multi and fits_two else 1
     # fixed_max: the pipelined schedules (the chained ping-pong, the overlapped one),
-    # without clusters, where a flag per tile and warpgroup fits in shared memory.
+    # without clusters, where a flag per tile and warpgroup fits in shared memory: the
+    # flags, their barrier and the reduction scratch, each rounded up to 128 bytes, and
+    # 1 KiB more (SMEM_BUDGET's margin goes to the ring's barriers and the LSE; 192-key
+    # tiles at D = 128 leave no room).
     max_tiles = -(-order.n_items // order.programs)
+    flag_bytes = mg.round_up(n_wg * max_tiles * 4, 128) + 128 + mg.round_up(FLAG_SCRATCH, 128)
     fixed_max = (bs.fixed_max and (bs.overlap_softmax or chain) and mc == 1 and
                  tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=n_qbuf)
-                 + n_wg * (bq + max_tiles) * 4 + FLAG_SCRATCH <= mg.SMEM_BUDGET)
+                 + flag_bytes + 1024 <= mg.SMEM_BUDGET)
 
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                q_bar, k_bar, v_bar, k_free, v_free, sched, *redo_scratch):
@@ -336,10 +340,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             empty = l == 0.0
             l_safe = jnp.where(empty, 1.0, l)
             o = acc * mg.bcast_rows(1.0 / l_safe, acc.shape)
-            lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
-            if fixed:  # NaN marks a row whose later scores outgrew the first tile's max
-                lse = jnp.where(l > FIXED_MAX_SUM_LIMIT, jnp.nan, lse)
-            lse_smem.at[wg][...] = lse
+            lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
             q_tile[...] = o.astype(dtype)  # Q is spent: its buffer stages O
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_tile, o_ref.at[bi, pl.ds(q_base, bq), h],
@@ -347,7 +348,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, h, pl.ds(q_base, bq)],
                                     commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-            if fixed:  # whether any row of the slab outgrew its shift
+            if fixed:  # whether a row of the slab outgrew its shift (the tile then runs again)
                 return jnp.max(jnp.where(l > FIXED_MAX_SUM_LIMIT, 1.0, 0.0)) > 0.0
             return None
 
@@ -367,10 +368,13 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                     flags[i, wg] = bad.astype(jnp.int32)
                 return n_steps
 
+            def flags_done():  # both compute warpgroups' flags are stored
+                plgpu.barrier_arrive(flags_bar)
+                plgpu.barrier_wait(flags_bar)
+
             redo = None
             if fixed_max:  # run the flagged tiles again with a running max
-                redo = (lambda: (plgpu.barrier_arrive(flags_bar), plgpu.barrier_wait(flags_bar)),
-                        flagged, functools.partial(tile, fixed=False))
+                redo = (flags_done, flagged, functools.partial(tile, fixed=False))
             mg.consume_tiles(n_mine, n_qbuf, load_q,
                              lambda buf: plgpu.barrier_wait(q_bar.at[buf * n_wg + wg]), tile,
                              redo=redo)
