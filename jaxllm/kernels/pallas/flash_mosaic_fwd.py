@@ -192,7 +192,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 sync()
                 return acc, m, l, p.astype(dtype)
 
-            def finite(m):  # a row that sees no key keeps a shift of 0
+            # a row that sees no key keeps a shift of 0 (its l stays 0, so its LSE is -inf)
+            def finite(m):
                 return jnp.where(m == -jnp.inf, 0.0, m)
 
             def step_overlapped(s, carry, masked):
@@ -227,16 +228,14 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
 
             def overlapped(carry):
                 carry = first(carry)
-                m0 = carry[1]
                 if fixed:  # tile 0's max is every later tile's shift
-                    carry = (carry[0], finite(m0), *carry[2:])
+                    carry = (carry[0], finite(carry[1]), *carry[2:])
                 lo = jnp.maximum(n_full, 1)
                 carry = lax.fori_loop(1, lo, functools.partial(step_overlapped, masked=False),
                                       carry)
                 carry = lax.fori_loop(lo, my_steps,
                                       functools.partial(step_overlapped, masked=True), carry)
-                acc, m, l = last(carry)
-                return acc, jnp.where(m0 == -jnp.inf, m0, m) if fixed else m, l
+                return last(carry)
 
             # chain_qk (the ping-pong schedule): step j runs the softmax of tile j, then
             # issues P_j V_j and Q K_{j+1}^T together, so this warpgroup's two products
@@ -281,20 +280,17 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 return acc, m, l
 
             def chained(carry):
-                acc, m0, l = carry
+                acc, m, l = carry
                 sc0 = scores0()
                 if fixed:  # tile 0's max is every tile's shift
                     sc_m = mg.mask_scores(sc0, 0, skv, rows, causal, interpret)
-                    m0 = sc_m.max(axis=1) * c if c > 0 else (sc_m * c).max(axis=1)
-                    carry = (acc, finite(m0), l, sc0)
-                else:
-                    carry = (*carry, sc0)
+                    m = finite(sc_m.max(axis=1) * c if c > 0 else (sc_m * c).max(axis=1))
+                carry = (acc, m, l, sc0)
                 lo = jnp.minimum(n_full, my_steps - 1)
                 carry = lax.fori_loop(0, lo, functools.partial(chain_step, masked=False), carry)
                 carry = lax.fori_loop(lo, my_steps - 1,
                                       functools.partial(chain_step, masked=True), carry)
-                acc, m, l = chain_last(carry)
-                return acc, jnp.where(m0 == -jnp.inf, m0, m) if fixed else m, l
+                return chain_last(carry)
 
             def skip(s, _):
                 # A tile the other warpgroup needs: release the slot, keep the ping-pong.
