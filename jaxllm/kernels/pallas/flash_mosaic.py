@@ -235,9 +235,9 @@ def default_block_sizes(head_dim: int, causal: bool = True) -> BlockSizes:
       with GQA, level with MHA; 11-17% slower when causal). Persistent CTAs (one a SM)
       gain 3-5% at S = 4096 and 13-15% at S = 1024.
     - forward at D <= 128: each row shifted by its first key tile's max (fixed_max), at
-      D = 128 7% faster than the running max at the power cap (1.12x cuDNN, full and
-      causal) and 3-10% in interleaved rounds; not measured at D = 256, which keeps
-      the running max.
+      D = 128 6-7% faster than the running max at the power cap (1.12x cuDNN, full and
+      causal) and 0-10% in interleaved rounds (D = 64 and 128); not measured at
+      D = 256, which keeps the running max.
     - backward: S and dP issued together (overlap_bwd: dq 7% and dk/dv 3% faster); a
       persistent dq kernel for full attention only (faster full, slower causal).
     """
