@@ -51,6 +51,8 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
     "mosaic fixed-max": dict(fixed_max=True),
     "mosaic running-max": dict(fixed_max=False),
     "mosaic pingpong fixed-max": dict(PINGPONG, fixed_max=True),
+    # fixed_max with l summing P as rounded for P V
+    "mosaic sum-rounded": dict(fixed_max=True, sum_rounded=True),
     "mosaic overlap": dict(overlap_softmax=True, schedule_barrier=True),
     "mosaic overlap no-pingpong": dict(overlap_softmax=True, schedule_barrier=False),
     "mosaic bq128 bk64": dict(PINGPONG, block_q=128, block_kv=64),
@@ -69,7 +71,8 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
 HEADLINE_SKIP = ("mosaic bk64 st3", "mosaic bwd 1wg st3", "mosaic grid serial-bwd",
                  "mosaic fused-dq")
 HEADLINE_CHECK = ("mosaic pingpong", "mosaic no-chain", "mosaic fixed-max", "mosaic running-max",
-                  "mosaic pingpong fixed-max", "mosaic early-k", "mosaic early-k sum",
+                  "mosaic pingpong fixed-max", "mosaic sum-rounded",
+                  "mosaic early-k", "mosaic early-k sum",
                   "mosaic overlap", "mosaic overlap no-pingpong", "mosaic bq128 bk64")
 
 

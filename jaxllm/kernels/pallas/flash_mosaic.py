@@ -98,6 +98,10 @@ class BlockSizes:
       with the running max (its K/V streamed again). Not with kv_multicast, nor where
       the flags (4 bytes a tile and warpgroup) do not fit in shared memory; there the
       running max is used.
+    sum_rounded: with fixed_max; the row sums l add up P as rounded to the input dtype
+      for the P V product rather than P in float32, so numerator and denominator see
+      the same weights (with a fixed shift a row's largest P is not exactly 1, and its
+      rounding would otherwise reach the output whole when one key dominates).
     persistent: forward; one CTA per SM, each looping over the (q tile, head, batch)
       work items pid, pid + #SMs, ... (causal: heaviest tiles first, dealt in rounds of
       alternating direction; see mosaic_common.TileSchedule): the producer streams the
@@ -133,6 +137,7 @@ class BlockSizes:
     chain_qk: bool = True
     overlap_softmax: bool = False
     fixed_max: bool = False
+    sum_rounded: bool = False
     persistent: bool = False
     kv_multicast: bool = False
     persistent_dq: bool = False
