@@ -51,8 +51,6 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
     "mosaic fixed-max": dict(fixed_max=True),
     "mosaic running-max": dict(fixed_max=False),
     "mosaic pingpong fixed-max": dict(PINGPONG, fixed_max=True),
-    # fixed_max with l summing P as rounded for P V
-    "mosaic sum-rounded": dict(fixed_max=True, sum_rounded=True),
     "mosaic overlap": dict(overlap_softmax=True, schedule_barrier=True),
     "mosaic overlap no-pingpong": dict(overlap_softmax=True, schedule_barrier=False),
     "mosaic bq128 bk64": dict(PINGPONG, block_q=128, block_kv=64),
@@ -71,8 +69,7 @@ VARIANTS = {  # name -> pallas_mosaic options (the defaults depend on the mask a
 HEADLINE_SKIP = ("mosaic bk64 st3", "mosaic bwd 1wg st3", "mosaic grid serial-bwd",
                  "mosaic fused-dq")
 HEADLINE_CHECK = ("mosaic pingpong", "mosaic no-chain", "mosaic fixed-max", "mosaic running-max",
-                  "mosaic pingpong fixed-max", "mosaic sum-rounded",
-                  "mosaic early-k", "mosaic early-k sum",
+                  "mosaic pingpong fixed-max", "mosaic early-k", "mosaic early-k sum",
                   "mosaic overlap", "mosaic overlap no-pingpong", "mosaic bq128 bk64")
 
 
@@ -140,11 +137,19 @@ def main():
                     help="headline shape, cuDNN and the mosaic variants (each checked)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved timing rounds; figures are medians over rounds")
+    ap.add_argument("--shape", default=None,
+                    help="B,S,D: time this shape only (Hq=32, Hkv=8) instead of SHAPES")
     ap.add_argument("--variants", default=None,
                     help="comma-separated names from VARIANTS to run (default: all)")
     args = ap.parse_args()
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     shapes = SHAPES[:1] if args.quick or args.headline else SHAPES
+    if args.shape:
+        try:
+            b, s, d = (int(x) for x in args.shape.split(","))
+        except ValueError:
+            raise SystemExit(f"--shape wants B,S,D (three integers); got {args.shape!r}")
+        shapes = [(b, s, d)]
     variants = dict(list(VARIANTS.items())[:1]) if args.quick else VARIANTS
     if args.headline:
         variants = {n: o for n, o in VARIANTS.items() if n not in HEADLINE_SKIP}

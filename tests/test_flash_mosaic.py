@@ -221,47 +221,9 @@ def test_tile_schedule_runs_each_tile_once(n_t, heads, batch, sms, causal, persi
         assert max(loads) <= 1.08 * sum(loads) / len(loads), loads
 
 
-@pytest.mark.parametrize("opts", [
-    dict(overlap_softmax=False, schedule_barrier=True),  # the chained ping-pong
-    dict(overlap_softmax=True, schedule_barrier=False)],  # the overlapped schedule
-    ids=["pingpong", "overlapped"])
-def test_fixed_max_sum_rounded_keeps_a_dominant_key_exact(opts):
-    # Each query row scores one key of a later key tile 19-21 nats above all the others
-    # (which score 0). Shifted by the first tile's max (0), that key's P is some 2^28
-    # and not a power of two, so P V carries P rounded to bf16: with l the sum of those
-    # rounded P (sum_rounded) the row's output is that key's V, bit for bit (as with the
-    # running max, where that P is exactly 1); with l the sum of P in float32 the
-    # rounding of P reaches the output.
-    sq, skv, d = 128, 256, 64
-    g = np.sqrt(160.0)  # key gain; g^2 d^-0.5 = 20
-    gain = np.linspace(0.95 * g, 1.05 * g, sq)  # query rows' gains: scores 19 to 21
-    eye = np.concatenate([np.eye(d), -np.eye(d)])  # row i and key 64 + i: the same axis
-    q = jnp.asarray((gain[:, None] * eye)[None, :, None], jnp.bfloat16)
-    k = np.zeros((1, skv, 1, d))
-    k[0, 64:192, 0] = g * eye
-    k = jnp.asarray(k, jnp.bfloat16)
-    v = jax.random.normal(jax.random.key(3), (1, skv, 1, d), jnp.bfloat16)
-    want = np.asarray(v[:, 64:192], np.float32)
-
-    def run(**kw):
-        o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=False, block_kv=64,
-                                                       **opts, **kw)
-        return np.asarray(o, np.float32), np.asarray(lse)
-
-    o_rounded, lse = run(fixed_max=True, sum_rounded=True)
-    o_unrounded, _ = run(fixed_max=True)
-    np.testing.assert_array_equal(o_rounded, want)
-    # the LSE: the dominant key's score (255 e^-19 more is below float32's resolution),
-    # up to the rounding of its P (2^-8 relative at most), which l sums too
-    bf = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
-    score = bf(gain) * bf(g) / np.sqrt(d)
-    np.testing.assert_allclose(lse[0, 0], score, atol=2.0 ** -8)
-    assert (o_unrounded != want).mean() > 0.05
-
-
 def test_default_schedule_by_mask():
     # the tuned table: ping-pong when causal; full attention at D = 128 overlaps instead;
-    # persistent forward with fixed_max and overlapped backward at D <= 128, a persistent
+    # persistent forward and overlapped backward at D <= 128, a persistent
     # dq when full
     full = flash_mosaic.default_block_sizes(128, causal=False)
     assert full.overlap_softmax and not full.schedule_barrier
@@ -273,7 +235,8 @@ def test_default_schedule_by_mask():
         assert bs.persistent and bs.overlap_bwd and bs.persistent_dq == (not causal)
         assert bs.fixed_max
     big = flash_mosaic.default_block_sizes(256, causal=False)
-    assert not (big.persistent or big.persistent_dq or big.overlap_bwd or big.fixed_max)
+    assert not (big.persistent or big.persistent_dq or big.overlap_bwd)
+    assert big.fixed_max  # fixed_max at every head dim
 
 
 def test_bad_inputs_raise():
@@ -352,10 +315,8 @@ def test_gpu_kv_multicast(name, opts, causal):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("name", list(_GPU_SHAPES))
 def test_gpu_other_max(name, causal):
-    # the forward's other softmax shift: the running max at D <= 128, fixed_max at D 256
-    d = _GPU_SHAPES[name][-1]
-    fixed = not flash_mosaic.default_block_sizes(d, causal).fixed_max
-    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2, fixed_max=fixed)
+    # the forward's other softmax shift: the running max (the default is fixed_max)
+    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2, fixed_max=False)
 
 
 @hopper_only

@@ -76,11 +76,10 @@ def test_flash_triton_forward_and_backward_lower():
     (128, 384, dict(fused_dq=True)),  # dQ from dk/dv, TMA reductions into an aliased ref
     (128, 384, dict(kv_multicast=True)),  # GQA 2: heads paired in clusters, K/V multicast
     (64, 384, dict(fused_dq=True, overlap_bwd=False)),
-    (128, 384, dict(sum_rounded=True)),  # fixed_max's l from P rounded to bf16
-    (256, 384, dict(fixed_max=True))],  # at D 256 not the default
+    (256, 384, dict(fixed_max=False))],  # the running max (not the default)
     ids=["d128", "d64", "d256", "one_key_tile", "early_k_wait", "persistent_d128", "kv192",
          "persistent_d256", "fused_dq_d128", "kv_multicast", "fused_dq_d64_serial",
-         "sum_rounded", "fixed_max_d256"])
+         "running_max_d256"])
 def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
     # Mosaic GPU lowers on any machine too; the simulator the CPU tests use never sees the
     # wgmma/TMA lowering.

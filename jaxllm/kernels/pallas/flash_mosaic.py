@@ -16,7 +16,7 @@ the CTA's tile; all compute warpgroups of a CTA consume the same stream.
             softmax overlaps the other's matmuls, and each warpgroup issues a tile's
             P V together with the next tile's Q K^T; full attention at D = 128 instead
             overlaps each warpgroup's softmax with its own next QK^T and current PV
-            (FA3's intra-warpgroup pipelining). At D <= 128 (fixed_max) the max m is
+            (FA3's intra-warpgroup pipelining). By default (fixed_max) the max m is
             the row's max over its first key tile, kept for the rest of the stream
             (no running max, no rescaling of O); a tile where that would overflow
             float32 runs again with the running max. Writes O and LSE = (m + log2 l) * ln 2.
@@ -98,10 +98,6 @@ class BlockSizes:
       with the running max (its K/V streamed again). Not with kv_multicast, nor where
       the flags (4 bytes a tile and warpgroup) do not fit in shared memory; there the
       running max is used.
-    sum_rounded: with fixed_max; the row sums l add up P as rounded to the input dtype
-      for the P V product rather than P in float32, so numerator and denominator see
-      the same weights (with a fixed shift a row's largest P is not exactly 1, and its
-      rounding would otherwise reach the output whole when one key dominates).
     persistent: forward; one CTA per SM, each looping over the (q tile, head, batch)
       work items pid, pid + #SMs, ... (causal: heaviest tiles first, dealt in rounds of
       alternating direction; see mosaic_common.TileSchedule): the producer streams the
@@ -137,7 +133,6 @@ class BlockSizes:
     chain_qk: bool = True
     overlap_softmax: bool = False
     fixed_max: bool = False
-    sum_rounded: bool = False
     persistent: bool = False
     kv_multicast: bool = False
     persistent_dq: bool = False
@@ -239,15 +234,15 @@ def default_block_sizes(head_dim: int, causal: bool = True) -> BlockSizes:
       D = 128 runs the FA3 intra-warpgroup overlap without the ping-pong (7-10% faster
       with GQA, level with MHA; 11-17% slower when causal). Persistent CTAs (one a SM)
       gain 3-5% at S = 4096 and 13-15% at S = 1024.
-    - forward at D <= 128: each row shifted by its first key tile's max (fixed_max), at
-      D = 128 6-7% faster than the running max at the power cap (1.12x cuDNN, full and
-      causal) and 0-10% in interleaved rounds (D = 64 and 128); not measured at
-      D = 256, which keeps the running max.
+    - forward: each row shifted by its first key tile's max (fixed_max); at the power
+      cap 6-7% faster than the running max at D = 128 (1.12x cuDNN, full and causal)
+      and 8-15% at D = 256 (1.08x full, 1.01x causal), 0-10% in interleaved rounds
+      (D = 64 and 128).
     - backward: S and dP issued together (overlap_bwd: dq 7% and dk/dv 3% faster); a
       persistent dq kernel for full attention only (faster full, slower causal).
     """
     if head_dim >= 256:
-        return BlockSizes(block_kv=64, compute_wgs_bwd=1)
+        return BlockSizes(block_kv=64, compute_wgs_bwd=1, fixed_max=True)
     bs = BlockSizes(persistent=True, persistent_dq=not causal, overlap_bwd=True,
                     fixed_max=True)
     if not causal and head_dim == 128:

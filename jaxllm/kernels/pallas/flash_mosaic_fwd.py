@@ -184,19 +184,13 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 plgpu.barrier_arrive(k_free.at[slot])
                 return sc
 
-            # sum_rounded (fixed_max): l sums P as rounded for the P V product, so a row
-            # led by one key gets that key's V exactly (its P is no longer exactly 1)
-            def row_sum(p, p16):
-                return (p16.astype(jnp.float32) if fixed and bs.sum_rounded else p).sum(axis=1)
-
             def first(carry):
                 acc, m, l = carry
                 sc = scores0()
                 p, m, alpha = softmax(0, sc, m, masked=True)
-                p16 = p.astype(dtype)
-                l = l * alpha + row_sum(p, p16)
+                l = l * alpha + p.sum(axis=1)
                 sync()
-                return acc, m, l, p16
+                return acc, m, l, p.astype(dtype)
 
             # a row that sees no key keeps a shift of 0 (its l stays 0, so its LSE is -inf)
             def finite(m):
@@ -211,8 +205,8 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 def between(sc):  # S_j is ready; PV_{j-1} may still run
                     plgpu.barrier_arrive(k_free.at[slot])
                     p, m_new, alpha = softmax(s, sc, m, masked, keep_max=fixed)
+                    l_new = (l if fixed else l * alpha) + p.sum(axis=1)
                     p16 = p.astype(dtype)
-                    l_new = (l if fixed else l * alpha) + row_sum(p, p16)
                     sync()
                     return p16, m_new, l_new, alpha
 
@@ -251,8 +245,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 acc, m, l, sc = carry
                 p, m_new, alpha = softmax(s, sc, m, masked, keep_max=fixed)
                 if fixed:
-                    p16 = p.astype(dtype)
-                    return acc, m, l + row_sum(p, p16), p16
+                    return acc, m, l + p.sum(axis=1), p.astype(dtype)
                 acc = acc * mg.bcast_rows(alpha, acc.shape)
                 return acc, m_new, l * alpha + p.sum(axis=1), p.astype(dtype)
 
