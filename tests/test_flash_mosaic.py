@@ -189,7 +189,10 @@ def test_fixed_max_runs_outgrown_tiles_again(opts, causal, monkeypatch):
     np.testing.assert_allclose(lse[:, :, seen], lse_ref[:, :, seen], atol=2e-2, rtol=2e-2)
     np.testing.assert_array_equal(o32[:, ~seen], 0.0)
     assert np.isneginf(np.asarray(lse[:, :, ~seen])).all()
-    # without the second pass those rows are lost (so the case above needed it)
+    # without the second pass those rows are lost (so the case above needed it); the
+    # inputs overflow the same way under either schedule, so one shows it
+    if causal:
+        return
     monkeypatch.setattr(flash_mosaic_fwd, "FIXED_MAX_SUM_LIMIT", float("inf"))
     o_once, lse_once = fixed()
     hot = np.zeros(sq, bool)
