@@ -133,6 +133,21 @@ def test_forward_schedule_options(opts, causal, d, sq, skv):
     np.testing.assert_allclose(lse, lse_ref, atol=2e-2, rtol=2e-2)
 
 
+def test_non_positive_scale():
+    # sm_scale <= 0 (scores scaled before masking, -inf kept -inf; fixed_max, the default,
+    # then gives way to the running max): forward and LSE as the reference's, causal
+    # over a ragged key tail
+    q, k, v, *_ = flash_inputs(9, 1, 64, 100, 1, 1, 64, True, jnp.bfloat16)
+    for sm_scale in (-0.125, 0.0):
+        o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=True, sm_scale=sm_scale,
+                                                       block_kv=64)
+        with jax.default_matmul_precision("highest"):
+            o_ref, lse_ref = reference.flash_attention_with_lse(
+                *(x.astype(jnp.float32) for x in (q, k, v)), causal=True, sm_scale=sm_scale)
+        np.testing.assert_allclose(o.astype(jnp.float32), o_ref, atol=2e-2, rtol=2e-2)
+        np.testing.assert_allclose(lse, lse_ref, atol=2e-2, rtol=2e-2)
+
+
 def test_chain_qk_is_the_unchained_step_reordered():
     # chain_qk only moves when Q K_{j+1}^T is issued: every bit of o and the LSE must be
     # those of the unchained step, and both match the reference. Causal with Sq > Skv and

@@ -96,8 +96,8 @@ class BlockSizes:
       about 64 - log2(Skv) in log2 units, some 40 nats, to pass it). A tile with a row
       past it is flagged, and once the program's other tiles are done it runs again
       with the running max (its K/V streamed again). Not with kv_multicast, nor where
-      the flags (4 bytes a tile and warpgroup) do not fit in shared memory; there the
-      running max is used.
+      the flags (4 bytes a tile and warpgroup) do not fit in shared memory, nor with
+      sm_scale <= 0; there the running max is used.
     persistent: forward; one CTA per SM, each looping over the (q tile, head, batch)
       work items pid, pid + #SMs, ... (causal: heaviest tiles first, dealt in rounds of
       alternating direction; see mosaic_common.TileSchedule): the producer streams the

@@ -66,13 +66,15 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     fits_two = tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=2) <= mg.SMEM_BUDGET
     n_qbuf = 2 if order.multi and fits_two else 1
     # fixed_max: the pipelined schedules (the chained ping-pong, the overlapped one),
-    # without clusters, where a flag per tile and warpgroup fits in shared memory: the
+    # without clusters, with scale > 0 (its paths mask the raw scores and scale them
+    # inside exp2, as the running max does only then: masked -inf times c <= 0 is not
+    # -inf), where a flag per tile and warpgroup fits in shared memory: the
     # flags, their barrier and the reduction scratch, each rounded up to 128 bytes, and
     # 1 KiB more (SMEM_BUDGET's margin goes to the ring's barriers and the LSE; 192-key
     # tiles at D = 128 leave no room).
     max_tiles = -(-order.n_items // order.programs)
     flag_bytes = mg.round_up(n_wg * max_tiles * 4, 128) + 128 + mg.round_up(FLAG_SCRATCH, 128)
-    fixed_max = (bs.fixed_max and (bs.overlap_softmax or chain) and mc == 1 and
+    fixed_max = (bs.fixed_max and (bs.overlap_softmax or chain) and mc == 1 and c > 0 and
                  tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=n_qbuf)
                  + flag_bytes + 1024 <= mg.SMEM_BUDGET)
 
@@ -284,7 +286,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 sc0 = scores0()
                 if fixed:  # tile 0's max is every tile's shift
                     sc_m = mg.mask_scores(sc0, 0, skv, rows, causal, interpret)
-                    m = finite(sc_m.max(axis=1) * c if c > 0 else (sc_m * c).max(axis=1))
+                    m = finite(sc_m.max(axis=1) * c)
                 carry = (acc, m, l, sc0)
                 lo = jnp.minimum(n_full, my_steps - 1)
                 carry = lax.fori_loop(0, lo, functools.partial(chain_step, masked=False), carry)
