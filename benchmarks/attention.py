@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.rounds import interleaved, speedup
+from benchmarks.common import interleaved, speedup
 from jaxllm.kernels import available_flash_impls, flash_attention, reference
 
 HQ, TOKENS = 32, 16384

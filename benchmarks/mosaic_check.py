@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.attention import attention_flops, time_fn  # the same conventions
-from benchmarks.rounds import interleaved, speedup
+from benchmarks.common import interleaved, speedup
 from jaxllm.kernels import flash_attention, reference
 
 HQ, HKV = 32, 8

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.rounds import interleaved, speedup
+from benchmarks.common import interleaved, speedup
 from jaxllm.kernels import reference
 from jaxllm.kernels.pallas import paged_triton
 from jaxllm.kernels.xla import xla_attention
