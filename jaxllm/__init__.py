@@ -11,8 +11,8 @@ from jaxllm.model import build_model
 
 
 def generate(*args, **kwargs):
-    """High-level generation; see `jaxllm.inference.decode.generate`."""
-    from jaxllm.inference.decode import generate as _generate
+    """High-level generation; see `jaxllm.inference.generate.generate`."""
+    from jaxllm.inference.generate import generate as _generate
     return _generate(*args, **kwargs)
 
 

@@ -50,8 +50,8 @@ def main(argv=None) -> int:
     from absl import logging as absl_logging  # orbax notes read-only restores at WARNING
     absl_logging.set_verbosity(absl_logging.ERROR)
     from jaxllm.config import ConfigError, load_config
-    from jaxllm.inference.decode import generate
-    from jaxllm.train.checkpoint import load_model
+    from jaxllm.inference.generate import generate
+    from jaxllm.checkpoint import load_model
 
     try:
         prompts = read_prompts(args)

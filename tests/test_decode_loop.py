@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 
 from jaxllm.config import load_config
-from jaxllm.inference.decode import generate_ids, inference_params
+from jaxllm.inference.generate import generate_ids
+from jaxllm.inference.params import decode_params
 from jaxllm.model import build_model
 
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.mlp_dim=64",
@@ -17,7 +18,7 @@ MAX_NEW = 23  # not a multiple of any chunk below: the last chunk is cut
 @pytest.fixture(scope="module")
 def params():
     cfg = load_config(None, SMALL)
-    return inference_params(build_model(cfg.model, rngs=nnx.Rngs(7)), cfg)
+    return decode_params(build_model(cfg.model, rngs=nnx.Rngs(7)), cfg)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def prompts():
 
 
 def _run(params, prompts, **kw):
-    return generate_ids(*params, prompts, max_new_tokens=MAX_NEW, temperature=0.0,
+    return generate_ids(params, prompts, max_new_tokens=MAX_NEW, temperature=0.0,
                         warmup=False, **kw)
 
 

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 import jaxllm
 from jaxllm import hf
 from jaxllm.config import ModelConfig, ParallelismConfig, load_config
-from jaxllm.inference.decode import generate_ids, inference_params
+from jaxllm.inference.generate import generate_ids
+from jaxllm.inference.params import decode_params
 from jaxllm.sharding.mesh import make_mesh
 
 V = 101
@@ -94,8 +95,8 @@ def test_greedy_generation_matches_transformers(case, tmp_path):
         ref = ref_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
                                  min_new_tokens=20)[0, len(prompt):].tolist()
     model, cfg = hf.load(tmp_path)
-    graphdef, params = inference_params(model, cfg)
-    got, _ = generate_ids(graphdef, params, [prompt], max_new_tokens=20, temperature=0.0,
+    params = decode_params(model, cfg)
+    got, _ = generate_ids(params, [prompt], max_new_tokens=20, temperature=0.0,
                           warmup=False)
     assert got[0] == ref
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxllm.inference.kv_cache import (OutOfPagesError, PageAllocator, PagedKVCache,
+from jaxllm.inference.cache import (OutOfPagesError, PageAllocator, PagePool,
                                        token_slots, write_kv)
 from jaxllm.kernels import paged_attention, reference
 
@@ -129,7 +129,7 @@ def _rand(key, *shape):
 
 
 def _cache(num_pages=16):
-    return PagedKVCache.create(n_layers=L, n_kv_heads=HKV, head_dim=D, num_pages=num_pages,
+    return PagePool.create(n_layers=L, n_kv_heads=HKV, head_dim=D, num_pages=num_pages,
                                page_size=PS, max_pages_per_seq=8, dtype=jnp.float32)
 
 
@@ -229,7 +229,7 @@ def test_paged_attention_over_the_cache_matches_reference():
 
 def test_layer_loop_writes_and_stacked_pool_reads():
     """A jitted scan over layers: write_layer + the kernel reading the stacked pool in place."""
-    from jaxllm.inference.kv_cache import write_layer
+    from jaxllm.inference.cache import write_layer
     from jaxllm.kernels.pallas import paged_triton
     cache = _cache()
     seqs = [cache.allocate() for _ in range(2)]

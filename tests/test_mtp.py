@@ -10,11 +10,12 @@ import pytest
 from flax import nnx
 
 from jaxllm.config import load_config
-from jaxllm.inference.decode import generate_ids, inference_params
+from jaxllm.inference.generate import generate_ids
+from jaxllm.inference.params import decode_params
 from jaxllm.inference.speculative import speculative_generate_ids
 from jaxllm.model import build_model
 from jaxllm.model.mtp import mtp_losses
-from jaxllm.train.checkpoint import load_model
+from jaxllm.checkpoint import load_model
 from jaxllm.train.trainer import train
 
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
@@ -48,8 +49,8 @@ def test_mtp_shapes_and_losses():
         # Direct computation: depth k over the first S-k positions only (causal, so the
         # masked tail cannot change them), embedding t_{i+k} and predicting t_{i+k+1}.
         pos = lambda n: jnp.broadcast_to(jnp.arange(n), (b, n))
-        h1, _ = model.mtp.layers[0](h[:, :s - 1], model.embed(targets[:, :s - 1]), pos(s - 1))
-        h2, _ = model.mtp.layers[1](h1[:, :s - 2], model.embed(targets[:, 1:s - 1]), pos(s - 2))
+        h1 = model.mtp.layers[0](h[:, :s - 1], model.embed(targets[:, :s - 1]), pos(s - 1))
+        h2 = model.mtp.layers[1](h1[:, :s - 2], model.embed(targets[:, 1:s - 1]), pos(s - 2))
         direct = jnp.stack([_ce(model.logits(h1), targets[:, 1:]),
                             _ce(model.logits(h2), targets[:, 2:])])
         return mtp_losses(model, h, targets), direct
@@ -84,11 +85,10 @@ def test_training_lowers_mtp_loss_and_heads_draft(mtp_run):
     assert records[-1]["mtp1_acc"] > records[0]["mtp1_acc"]
 
     model, cfg, _ = load_model(run)
-    graphdef, params = inference_params(model, cfg)
+    params = decode_params(model, cfg)
     prompts = [[257, *b"def f(self"], [257, *b"for x in"], [257, *b"import"]]
-    plain, _ = generate_ids(graphdef, params, prompts, max_new_tokens=24, temperature=0,
-                            warmup=False)
-    ids, stats = speculative_generate_ids(graphdef, params, prompts, method="mtp", k=1,
+    plain, _ = generate_ids(params, prompts, max_new_tokens=24, temperature=0, warmup=False)
+    ids, stats = speculative_generate_ids(params, prompts, method="mtp", k=1,
                                           max_new_tokens=24, temperature=0, warmup=False)
     assert ids == plain
     assert stats["acceptance_rate"] > 0.2  # the trained head predicts t+2 often

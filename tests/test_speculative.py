@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from jaxllm.config import ConfigError, load_config
-from jaxllm.inference.decode import generate_ids, inference_params
+from jaxllm.inference.generate import generate_ids
+from jaxllm.inference.params import decode_params
 from jaxllm.inference.speculative import speculative_generate_ids, verify
 from jaxllm.model import build_model
 
@@ -124,12 +125,12 @@ def target_model():
 
 @pytest.fixture(scope="module")
 def target(target_model):
-    return inference_params(*target_model)
+    return decode_params(*target_model)
 
 
 @pytest.fixture(scope="module")
 def plain(target):
-    return {b: generate_ids(*target, PROMPTS[b], max_new_tokens=MAX_NEW, temperature=0,
+    return {b: generate_ids(target, PROMPTS[b], max_new_tokens=MAX_NEW, temperature=0,
                             warmup=False)[0] for b in PROMPTS}
 
 
@@ -142,7 +143,7 @@ def _early_exit_draft(target_model):
     params = dict(nnx.to_pure_dict(state), embed=tgt["embed"], final_norm=tgt["final_norm"],
                   head=tgt["head"], blocks=jax.tree.map(lambda x: x[:1], tgt["blocks"]))
     nnx.replace_by_pure_dict(state, params)
-    return inference_params(nnx.merge(graphdef, state), cfg)
+    return decode_params(nnx.merge(graphdef, state), cfg)
 
 
 @pytest.mark.parametrize("method,batch", [("mtp", 1), ("draft", 3), ("self", 1)])
@@ -150,7 +151,7 @@ def test_greedy_speculative_matches_plain(target_model, target, plain, method, b
     k = 2 if method == "mtp" else 3
     draft = {"mtp": None, "draft": _early_exit_draft(target_model), "self": target}[method]
     ids, stats = speculative_generate_ids(
-        *target, PROMPTS[batch], method="mtp" if method == "mtp" else "draft", k=k, draft=draft,
+        target, PROMPTS[batch], method="mtp" if method == "mtp" else "draft", k=k, draft=draft,
         max_new_tokens=MAX_NEW, temperature=0, warmup=False)
     assert ids == plain[batch]
     assert all(len(r) == MAX_NEW for r in ids)

@@ -82,7 +82,7 @@ def test_nonfinite_loss_stops_and_keeps_checkpoint(corpus, tmp_path):
                "train.warmup_steps=0", "checkpoint.every=1", "train.log_every=1")
     with pytest.raises(NonFiniteLoss, match="last good checkpoint"):
         train(cfg)
-    from jaxllm.train.checkpoint import Checkpointer
+    from jaxllm.checkpoint import Checkpointer
     steps = Checkpointer(tmp_path / "run", read_only=True).all_steps()
     assert steps and max(steps) < 30
 
@@ -122,6 +122,6 @@ def test_sigterm_saves_and_resumes(corpus, tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "stopped by SIGTERM" in out
-    from jaxllm.train.checkpoint import Checkpointer
+    from jaxllm.checkpoint import Checkpointer
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert Checkpointer(tmp_path / "run", read_only=True).latest_step() >= last >= 3

@@ -18,6 +18,7 @@ rejected drafts are simply overwritten by the next step: no rollback.
 """
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -25,11 +26,12 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxllm.inference.decode import jit_bound
+from jaxllm.inference.cache import ContiguousCache
+from jaxllm.inference.params import DecodeParams, decode_params
 from jaxllm.inference.sampling import probabilities, sample
-from jaxllm.model.attention import KVCache
+from jaxllm.inference.step import (forward, init_cache, logits as head_logits, mtp_forward,
+                                   pad_prompts, round_up)
 from jaxllm.model.mtp import shift_left
 
 
@@ -77,7 +79,7 @@ def draft_with_model(draft, cache, prev, token, pos, key, k, opts):
     x, start = jnp.stack([prev, token], axis=1), pos - 1
     drafts, probs = [], []
     for i in range(k):
-        logits, cache = draft.forward_cached(x, cache, start)
+        logits, cache, _ = forward(draft, x, cache, start)
         key, sub = jax.random.split(key)
         drafts.append(sample(logits[:, -1], sub, **opts))
         probs.append(probabilities(logits[:, -1], **opts))
@@ -85,7 +87,7 @@ def draft_with_model(draft, cache, prev, token, pos, key, k, opts):
     return jnp.stack(drafts, 1), jnp.stack(probs, 1), cache
 
 
-def draft_with_mtp(model, h, next_tokens, last, cache, start, key, k, opts, prefill=False):
+def draft_with_mtp(params, h, next_tokens, last, cache, start, key, k, opts, prefill=False):
     """Chain the first k MTP modules to draft the k tokens after position start + last.
 
     h (B, W, d): the target's hidden states at positions start..start+W-1; next_tokens
@@ -97,13 +99,11 @@ def draft_with_mtp(model, h, next_tokens, last, cache, start, key, k, opts, pref
     """
     b, w = next_tokens.shape
     rows = jnp.arange(b)
-    positions = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None]
     ext = jnp.concatenate([next_tokens, jnp.zeros((b, k), jnp.int32)], axis=1)  # (B, W+k)
     drafts, probs = [], []
     for i in range(k):
-        h, cache = model.mtp.layers[i](h, model.embed(ext[:, i:i + w]), positions, cache, i,
-                                       prefill)
-        logits = model.logits(h[rows, last][:, None])[:, 0]  # (B, V)
+        h, cache = mtp_forward(params, i, h, ext[:, i:i + w], cache, start, prefill=prefill)
+        logits = head_logits(params, h[rows, last][:, None])[:, 0]  # (B, V)
         key, sub = jax.random.split(key)
         drafts.append(sample(logits, sub, **opts))
         probs.append(probabilities(logits, **opts))
@@ -115,8 +115,8 @@ def draft_with_mtp(model, h, next_tokens, last, cache, start, key, k, opts, pref
 
 
 class SpecState(NamedTuple):
-    cache: KVCache  # the target's
-    draft_cache: KVCache  # the draft model's, or the MTP modules'
+    cache: ContiguousCache  # the target's
+    draft_cache: ContiguousCache  # the draft model's, or the MTP modules'
     token: jax.Array  # (B,) pending token at `pos`: sampled, not yet in the caches
     prev: jax.Array  # (B,) the token at pos - 1
     pos: jax.Array  # (B,)
@@ -133,33 +133,29 @@ class SpecState(NamedTuple):
 _STATIC = ("method", "k", "cache_len", "out_len", "temperature", "top_k", "top_p")
 
 
-def spec_prefill(graphdef, draft_graphdef, params, draft_params, tokens, lengths, key, *,
-                 method, k, cache_len, out_len, temperature, top_k, top_p):
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def spec_prefill(params, draft, tokens, lengths, key, *, method, k, cache_len, out_len,
+                 temperature, top_k, top_p):
     """Prompts (B, P) right-padded, lengths (B,) -> (the loop's initial SpecState, the
     first tokens (B,) as an array of their own, readable while the loop holds the state).
-
-    Jitted by `speculative_generate_ids` with the graph definitions bound
-    (`decode.jit_bound`)."""
+    `draft`: the draft model's DecodeParams (method "draft"), else None."""
     opts = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    model = nnx.merge(graphdef, params)
     b = tokens.shape[0]
     rows, zeros, last = jnp.arange(b), jnp.zeros_like(lengths), lengths - 1
     k_first, k_draft, key = jax.random.split(key, 3)
-    cache = model.init_cache(b, cache_len)
-    logits, cache, h = model.forward_cached(tokens, cache, zeros, prefill=True,
-                                            return_hidden=True)
+    logits, cache, h = forward(params, tokens, init_cache(params, b, cache_len), zeros,
+                               prefill=True)
     first = sample(logits[rows, last], k_first, **opts)
     if method == "draft":
-        draft = nnx.merge(draft_graphdef, draft_params)
-        _, draft_cache = draft.forward_cached(tokens, draft.init_cache(b, cache_len), zeros,
-                                              prefill=True)
+        _, draft_cache, _ = forward(draft, tokens, init_cache(draft, b, cache_len), zeros,
+                                    prefill=True)
         drafts = jnp.zeros((b, k), jnp.int32)
         draft_probs = jnp.zeros((b, k, logits.shape[-1]), jnp.float32)
     else:
         next_tokens = shift_left(tokens, 1).at[rows, last].set(first)
-        draft_cache = model.mtp.init_cache(model.cfg, b, cache_len, depth=k)
+        draft_cache = init_cache(params, b, cache_len, n_layers=k)
         drafts, draft_probs, draft_cache = draft_with_mtp(
-            model, h, next_tokens, last, draft_cache, zeros, k_draft, k, opts, prefill=True)
+            params, h, next_tokens, last, draft_cache, zeros, k_draft, k, opts, prefill=True)
     out = jnp.full((b, out_len), -1, jnp.int32).at[:, 0].set(first)
     state = SpecState(cache, draft_cache, first, tokens[rows, last], lengths, drafts,
                       draft_probs, out, jnp.ones(b, jnp.int32), jnp.zeros(b, bool), key,
@@ -167,13 +163,12 @@ def spec_prefill(graphdef, draft_graphdef, params, draft_params, tokens, lengths
     return state, first  # a second output buffer: the loop takes the state donated
 
 
-def spec_loop(graphdef, draft_graphdef, params, draft_params, state, limit, *, method, k,
-              cache_len, out_len, temperature, top_k, top_p, eos_id):
-    """Speculative steps until every row has `limit` tokens or has emitted EOS (jitted as
-    `spec_prefill`, the state donated)."""
+@functools.partial(jax.jit, static_argnames=_STATIC + ("eos_id",), donate_argnames=("state",))
+def spec_loop(params, draft, state, limit, *, method, k, cache_len, out_len, temperature, top_k,
+              top_p, eos_id):
+    """Speculative steps until every row has `limit` tokens or has emitted EOS (the state
+    donated)."""
     opts = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    model = nnx.merge(graphdef, params)
-    draft = nnx.merge(draft_graphdef, draft_params) if method == "draft" else None
     j = jnp.arange(k + 1)[None]
 
     def step(s: SpecState) -> SpecState:
@@ -187,11 +182,11 @@ def spec_loop(graphdef, draft_graphdef, params, draft_params, state, limit, *, m
             drafts, q, draft_cache = s.drafts, s.draft_probs, s.draft_cache
         # 2. The target scores [t, d_1..d_k] at pos..pos+k in one forward; verify.
         x = jnp.concatenate([s.token[:, None], drafts], axis=1)  # (B, k+1)
-        logits, cache, h = model.forward_cached(x, s.cache, s.pos, return_hidden=True)
+        logits, cache, h = forward(params, x, s.cache, s.pos)
         tokens, n = verify(drafts, q, probabilities(logits, **opts), k_verify)
         # 3. MTP: draft the next step's tokens from the target's hidden states.
         if method == "mtp":
-            drafts, q, draft_cache = draft_with_mtp(model, h, jnp.maximum(tokens, 0), n - 1,
+            drafts, q, draft_cache = draft_with_mtp(params, h, jnp.maximum(tokens, 0), n - 1,
                                                     draft_cache, s.pos, k_draft, k, opts)
         # 4. Emit tokens[:, :n] after each active row's n_out tokens.
         active = ~s.done
@@ -216,17 +211,16 @@ def spec_loop(graphdef, draft_graphdef, params, draft_params, state, limit, *, m
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
 
 
-def resolve_draft(cfg, draft_model=None):
-    """(graphdef, params) of the draft model for `cfg`'s inference.speculative, cast for
-    decoding: `draft_model` when given, else the checkpoint at inference.speculative.draft
-    (a run directory, or a config whose train.run_dir holds the checkpoints). None unless
-    the method is "draft". The vocabularies must match."""
-    from jaxllm.config import Config, load_config, speculative_options
-    from jaxllm.inference.decode import inference_params
-    from jaxllm.train.checkpoint import load_model
+def resolve_draft(cfg, draft_model=None) -> DecodeParams | None:
+    """The draft model's DecodeParams for `cfg`'s inference.speculative: `draft_model` when
+    given, else the checkpoint at inference.speculative.draft (a run directory, or a config
+    whose train.run_dir holds the checkpoints). None unless the method is "draft". The
+    vocabularies must match."""
+    from jaxllm.checkpoint import load_model
+    from jaxllm.config import load_config
 
-    method, _, path = speculative_options(cfg)
-    if method != "draft":
+    path = cfg.inference.speculative.draft
+    if cfg.inference.speculative.method != "draft":
         return None
     if draft_model is None:
         run_dir = path if Path(path).is_dir() else load_config(path).train.run_dir
@@ -235,22 +229,18 @@ def resolve_draft(cfg, draft_model=None):
         raise ValueError(f"the draft model has vocab_size={draft_model.cfg.vocab_size} but the "
                          f"target has {cfg.model.vocab_size}; a draft model must share the "
                          f"target's vocabulary")
-    return inference_params(draft_model, Config(model=draft_model.cfg))
+    return decode_params(draft_model, cfg.replace(model=draft_model.cfg))
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def speculative_generate_ids(graphdef, params, prompts: list[list[int]], *, method: str,
-                             k: int, draft: tuple | None = None, max_new_tokens: int,
+def speculative_generate_ids(params: DecodeParams, prompts: list[list[int]], *, method: str,
+                             k: int, draft: DecodeParams | None = None, max_new_tokens: int,
                              temperature: float, top_k: int = 0, top_p: float = 1.0,
                              seed: int = 0, eos_id: int | None = None,
                              on_tokens: Callable[[np.ndarray], None] | None = None,
                              warmup: bool = True):
-    """Speculative decoding with the interface of `decode.generate_ids`.
+    """Speculative decoding with the interface of `generate.generate_ids`.
 
-    method "draft" takes `draft=(graphdef, params)` of a model with the same vocabulary;
+    method "draft" takes `draft`, the DecodeParams of a model with the same vocabulary;
     "mtp" uses the target's own MTP modules (k <= model.mtp_depth). The whole generation
     is one device loop: `on_tokens` receives all ids at the end. Returns (ids per prompt,
     timings), the timings holding acceptance statistics too.
@@ -260,30 +250,19 @@ def speculative_generate_ids(graphdef, params, prompts: list[list[int]], *, meth
     if k <= 0:
         raise ValueError(f"speculative k={k} must be positive")
     if method == "draft" and draft is None:
-        raise ValueError("method='draft' needs draft=(graphdef, params) of a draft model")
+        raise ValueError("method='draft' needs draft=, the DecodeParams of a draft model")
     if method == "mtp":
-        depth = len(params["mtp"]["layers"]) if params.get("mtp") else 0
+        depth = len(params.mtp)
         if k > depth:
             raise ValueError(f"speculative k={k} exceeds the model's mtp_depth={depth}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt must hold at least one token")
-    b = len(prompts)
-    plen = _round_up(max(len(p) for p in prompts), 16)
-    tokens = np.zeros((b, plen), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
-    tokens = jnp.asarray(tokens)
-    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    draft_graphdef, draft_params = draft if method == "draft" else (None, None)
-    static = dict(method=method, k=k, cache_len=_round_up(plen + max_new_tokens + k + 1, 64),
+    tokens, lengths = pad_prompts(prompts)
+    plen = tokens.shape[1]
+    draft = draft if method == "draft" else None
+    static = dict(method=method, k=k, cache_len=round_up(plen + max_new_tokens + k + 1, 64),
                   out_len=max_new_tokens + k + 1, temperature=float(temperature),
                   top_k=int(top_k), top_p=float(top_p))
     key = jax.random.key(seed)
-    graphs = (graphdef, draft_graphdef)
-    prefill_fn = jit_bound(spec_prefill, graphs, static_argnames=_STATIC)
-    loop_fn = jit_bound(spec_loop, graphs, static_argnames=_STATIC + ("eos_id",),
-                        donate_argnames=("state",))
-    args = (params, draft_params)
+    prefill_fn, loop_fn, args = spec_prefill, spec_loop, (params, draft)
 
     compile_s = 0.0
     if warmup:  # compile both and run one step (limit 2), as the timed loop will

@@ -230,3 +230,26 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = N
 
 __all__ = ["flash_attention", "paged_attention", "decode_attention", "available_flash_impls",
            "available_paged_impls", "FLASH_IMPLS", "PAGED_IMPLS", "DECODE_IMPLS"]
+
+
+# -- provisional: replaced by the kernel registry -----------------------------------------
+class _Picked:
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+
+
+def pick(op, impl="auto", *args, need_lse=False):
+    if op != "matmul":
+        raise NotImplementedError(op)
+    from jaxllm.kernels.pallas import gemv_triton
+    if impl == "xla" or (impl == "auto" and _platform() != "gpu"):
+        return _Picked("xla", None)
+    why = gemv_triton.unsupported_reason(*args)
+    if why and impl == "pallas_triton":
+        raise ValueError(f"inference.matmul_impl=pallas_triton: {why}")
+    return _Picked("xla", None) if why else _Picked("pallas_triton", gemv_triton.decode_gemv)
+
+
+def decode_matmul(*args, **kwargs):
+    from jaxllm.kernels.pallas import gemv_triton
+    return gemv_triton.decode_gemv(*args, **kwargs)

@@ -1,5 +1,4 @@
-"""Flax NNX decoder models."""
-from jaxllm.model.attention import KVCache
+"""Flax NNX decoder models (the training form; decoding runs `jaxllm.inference`)."""
 from jaxllm.model.decoder import Decoder, build_model
 
-__all__ = ["Decoder", "KVCache", "build_model"]
+__all__ = ["Decoder", "build_model"]

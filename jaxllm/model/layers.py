@@ -1,8 +1,8 @@
 """Building blocks: parameters with logical axes, linear, embedding, RMSNorm, RoPE, SwiGLU.
 
-Every parameter carries logical axis names (see DESIGN.md: batch, seq, embed, q_heads,
-kv_heads, head_dim, mlp, vocab, layers, ...). `jaxllm.sharding.rules` maps them onto the
-mesh; model code never sees a mesh.
+Every parameter carries logical axis names (batch, seq, embed, q_heads, kv_heads, head_dim,
+mlp, vocab, experts, layers, latent). `jaxllm.sharding.rules` maps them onto the mesh;
+model code never sees a mesh.
 """
 from __future__ import annotations
 
@@ -34,90 +34,20 @@ def param(rngs: nnx.Rngs, shape, axes: tuple, dtype, std: float | None = None,
 
 
 class Linear(nnx.Module):
-    """y = x @ W with W [*in_shape, *out_shape]; `spec` is the einsum, e.g. 'bsd,dhk->bshk'.
-
-    `out_major=True` stores W as [*out_shape, *in_shape] instead (each output's weights
-    contiguous: the layout of the fused decode kernels, kernels/pallas/gemv_triton.py);
-    `axes` and `spec` are still given in the [*in, *out] order.
-    """
+    """y = x @ W with W [*in_shape, *out_shape]; `spec` is the einsum, e.g. 'bsd,dhk->bshk'."""
 
     def __init__(self, in_shape, out_shape, axes, spec: str, *, dtype, param_dtype,
-                 rngs: nnx.Rngs | None = None, std: float | None = None, bias: bool = False,
-                 init: tuple | None = None, out_major: bool = False):
-        """`init`: (kernel, bias or None) arrays to take instead of a random init."""
+                 rngs: nnx.Rngs, std: float, bias: bool = False):
         n_in = len(in_shape)
-        kernel_axes = tuple(axes[n_in:]) + tuple(axes[:n_in]) if out_major else tuple(axes)
-        shape = ((tuple(out_shape) + tuple(in_shape)) if out_major
-                 else tuple(in_shape) + tuple(out_shape))
-        if init is not None:
-            kernel, b = init
-            assert kernel.shape == shape, (kernel.shape, shape)
-            self.kernel = nnx.Param(kernel, out_sharding=kernel_axes, eager_sharding=False)
-            self.bias = (None if b is None else
-                         nnx.Param(b, out_sharding=tuple(axes[n_in:]), eager_sharding=False))
-        else:
-            self.kernel = param(rngs, shape, kernel_axes, param_dtype, std=std)
-            self.bias = (param(rngs, tuple(out_shape), axes[n_in:], param_dtype, value=0.0)
-                         if bias else None)
-        if out_major:  # 'bsd,dhk->bshk' -> 'bsd,hkd->bshk'
-            x_part, rest = spec.split(",")
-            w_part, y_part = rest.split("->")
-            spec = f"{x_part},{w_part[n_in:]}{w_part[:n_in]}->{y_part}"
-        self.spec, self.dtype, self.out_major = spec, dtype, out_major
-        self.in_axes, self.out_axes = tuple(axes[:n_in]), tuple(axes[n_in:])
-
-    def _few_rows(self, x):
-        """x (B, S, *in) @ W as one [B*S, K] x [K, N] product when W contracts several
-        axes (the output projection's heads x head_dim), for calls with at most 16 rows
-        (decoding); None to leave it to the einsum. A profile showed XLA lowering that
-        einsum with one row to an elementwise product the size of the weight plus a
-        reduction (docs/benchmarks.md); the batch-1 step time did not measurably change
-        with this 2-D form.
-        """
-        n_in = len(self.in_axes)
-        if n_in == 1:
-            return None
-        w = self.kernel[...].astype(self.dtype)
-        n_out = w.ndim - n_in
-        out_shape = w.shape[:n_out] if self.out_major else w.shape[n_in:]
-        b, s = x.shape[:2]
-        x2 = x.reshape(b * s, -1).astype(self.dtype)
-        y = (jnp.dot(x2, w.reshape(-1, x2.shape[1]).T) if self.out_major
-             else jnp.dot(x2, w.reshape(x2.shape[1], -1)))
-        return y.reshape(b, s, *out_shape)
-
-    @classmethod
-    def fused(cls, parts: list["Linear"], axis: int, axes, spec: str, stack: bool = False,
-              out_major: bool = False):
-        """One Linear whose kernel joins the kernels of `parts` along kernel axis `axis`
-        (concatenated, or stacked on a new axis there; axes counted in the [*in, *out]
-        order): the input is read once and all the weights by one matmul. Biases are
-        joined the same way. A single part just changes layout (`out_major`)."""
-        first, join = parts[0], (jnp.stack if stack else jnp.concatenate)
-        kernel = join([p.in_major_kernel() for p in parts], axis=axis)
-        n_in = len(first.in_axes)
-        bias = (None if first.bias is None else
-                join([p.bias[...] for p in parts], axis=axis - n_in))
-        if out_major:
-            kernel = jnp.moveaxis(kernel, tuple(range(n_in)),
-                                  tuple(range(kernel.ndim - n_in, kernel.ndim)))
-        in_shape = kernel.shape[kernel.ndim - n_in:] if out_major else kernel.shape[:n_in]
-        out_shape = kernel.shape[:kernel.ndim - n_in] if out_major else kernel.shape[n_in:]
-        return cls(in_shape, out_shape, axes, spec, dtype=first.dtype,
-                   param_dtype=kernel.dtype, init=(kernel, bias), out_major=out_major)
-
-    def in_major_kernel(self):
-        """The kernel as [*in, *out], whatever the stored layout."""
-        w = self.kernel[...]
-        if not self.out_major:
-            return w
-        n_out = len(self.out_axes)
-        return jnp.moveaxis(w, tuple(range(n_out)), tuple(range(w.ndim - n_out, w.ndim)))
+        self.kernel = param(rngs, tuple(in_shape) + tuple(out_shape), tuple(axes), param_dtype,
+                            std=std)
+        self.bias = (param(rngs, tuple(out_shape), axes[n_in:], param_dtype, value=0.0)
+                     if bias else None)
+        self.spec, self.dtype = spec, dtype
+        self.out_axes = tuple(axes[n_in:])
 
     def __call__(self, x):
-        y = self._few_rows(x) if x.shape[0] * x.shape[1] <= 16 else None
-        if y is None:
-            y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return constrain(y, ("batch", "seq") + self.out_axes)  # (B, S, *out_shape)
@@ -192,22 +122,5 @@ class MLP(nnx.Module):
         self.down = Linear((mlp_dim,), (d_model,), ("mlp", "embed"), "bsm,md->bsd", std=out_std,
                            **kw)
 
-        self.gate_up = nnx.data(None)  # decode form, see fuse_projections
-
-    def fuse_projections(self, out_major: bool = False):
-        """Decode form: gate and up become one [d, 2, mlp] weight, read by one matmul.
-        `out_major`: every weight stored [*out, *in], as the fused decode kernels read it."""
-        if self.gate_up is None:
-            self.gate_up = Linear.fused([self.gate, self.up], 1, ("embed", None, "mlp"),
-                                        "bsd,dtm->bstm", stack=True, out_major=out_major)
-            self.gate = self.up = None
-            if out_major:
-                self.down = Linear.fused([self.down], 0, ("mlp", "embed"), "bsm,md->bsd",
-                                         out_major=True)
-        return self
-
     def __call__(self, x):
-        if self.gate_up is not None:
-            y = self.gate_up(x)  # (B, S, 2, mlp)
-            return self.down(jax.nn.silu(y[:, :, 0]) * y[:, :, 1])
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))

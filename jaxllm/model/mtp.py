@@ -19,14 +19,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ModelConfig
-from jaxllm.model.attention import KVCache
+from jaxllm.model.block import Block
 from jaxllm.model.layers import Linear, RMSNorm, as_dtype
 
 
 class MTPModule(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        from jaxllm.model.decoder import Block  # decoder.py imports this file
-
         dtype, pdtype = as_dtype(cfg.dtype), as_dtype(cfg.param_dtype)
         norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
         self.h_norm = RMSNorm(cfg.d_model, **norm)
@@ -35,14 +33,11 @@ class MTPModule(nnx.Module):
                            dtype=dtype, param_dtype=pdtype, rngs=rngs, std=cfg.init_std)
         self.block = Block(cfg, rngs=rngs)
 
-    def __call__(self, h, e, positions, cache: KVCache | None = None, layer=None,
-                 prefill: bool = False):
-        """h (B, S, d) previous depth's hidden, e (B, S, d) embeddings of the tokens k ahead.
-
-        Returns (hidden (B, S, d), cache); with a cache, this module's K/V live at `layer`.
-        """
+    def __call__(self, h, e, positions):
+        """h (B, S, d) previous depth's hidden, e (B, S, d) embeddings of the tokens k ahead
+        -> this depth's hidden (B, S, d)."""
         x = self.proj(jnp.concatenate([self.h_norm(h), self.e_norm(e)], axis=-1))
-        return self.block(x, positions, cache, layer, prefill)
+        return self.block(x, positions)
 
 
 class MTPHeads(nnx.Module):
@@ -53,12 +48,6 @@ class MTPHeads(nnx.Module):
 
     def __len__(self) -> int:
         return len(self.layers)
-
-    def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, depth: int | None = None,
-                   dtype=None) -> KVCache:
-        """A cache with one layer per module used (the first `depth`, default all)."""
-        return KVCache.init(depth or len(self), batch, max_len, cfg.n_kv_heads,
-                            cfg.resolved_head_dim, as_dtype(dtype or cfg.dtype), per_layer=True)
 
 
 def shift_left(x, k: int, fill=0):
@@ -78,7 +67,7 @@ def mtp_losses(model, h, targets):
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     losses, accs = [], []
     for k, module in enumerate(model.mtp.layers, start=1):
-        h, _ = module(h, model.embed(shift_left(targets, k - 1)), positions)
+        h = module(h, model.embed(shift_left(targets, k - 1)), positions)
         logits = model.logits(h)  # (B, S, V) float32
         tgt = shift_left(targets, k)
         mask = (jnp.arange(s) < s - k)[None, :].astype(jnp.float32)  # (1, S)

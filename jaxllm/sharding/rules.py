@@ -1,6 +1,6 @@
 """Logical axes -> mesh axes: the one table, and the specs of every training array.
 
-Model code names logical axes only (DESIGN.md): parameters carry them as metadata and
+Model code names logical axes only: parameters carry them as metadata and
 activations through `sharding.constrain`. This table puts them on the mesh axes of
 `sharding.mesh` for two kinds of arrays:
 

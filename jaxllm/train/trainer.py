@@ -29,7 +29,7 @@ from jaxllm.sharding import ShardingPlan
 from jaxllm.sharding.memory import describe_memory, step_memory
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.train import data as data_lib
-from jaxllm.train.checkpoint import Checkpointer, load_model
+from jaxllm.checkpoint import Checkpointer, load_model
 from jaxllm.train.optim import lr_schedule, make_optimizer
 
 # Dense bf16 peak FLOP/s by device kind (datasheet figures, without sparsity).

@@ -1,4 +1,5 @@
-"""Checkpoints through orbax: periodic async saves, keep-last-k, restore of the latest.
+"""Checkpoints through orbax: periodic async saves, keep-last-k, restore of the latest;
+`load_model` for everything that runs a trained model (generation, serving).
 
 A checkpoint holds two items, `params` and `opt_state`, under its step; generation restores
 `params` alone. Batches are a pure function of the step, so the step is the data cursor.

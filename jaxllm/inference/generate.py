@@ -1,4 +1,4 @@
-"""Autoregressive generation over a contiguous KV cache.
+"""Autoregressive generation over a contiguous KV cache: the host loop.
 
 Prefill runs the prompts through the model once (flash attention over the prompt, K/V
 written to the cache). Decoding then runs on the device in chunks of `decode_chunk`
@@ -9,20 +9,20 @@ between chunks overlaps the device's.
 """
 from __future__ import annotations
 
-import collections
+import functools
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxllm.config import Config, speculative_options
+from jaxllm.config import Config
+from jaxllm.inference.params import DecodeParams, decode_params
 from jaxllm.inference.sampling import sample
-from jaxllm.model.layers import as_dtype
+from jaxllm.inference.speculative import resolve_draft, speculative_generate_ids
+from jaxllm.inference.step import forward, init_cache, pad_prompts, round_up
 
 
 @dataclass
@@ -36,59 +36,30 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
-def inference_params(model, cfg: Config, unstack: bool | None = None,
-                     fuse: bool | None = None):
-    """(graphdef, params) for decoding, parameters cast to the compute dtype once.
-
-    With `unstack` (default: inference.unstack_layers) every layer's weights become
-    separate arrays and the layer loop a Python loop (Decoder.unstack_layers); with `fuse`
-    too (default: inference.fuse_projections) each layer's q/k/v and gate/up weights are
-    joined (Decoder.fuse_projections, with inference.matmul_impl). The caller's model is
-    left as it is.
-    """
-    graphdef, state = nnx.split(model)
-    if cfg.inference.unstack_layers if unstack is None else unstack:
-        decode_model = nnx.merge(graphdef, state).unstack_layers()
-        if cfg.inference.fuse_projections if fuse is None else fuse:
-            impl = cfg.inference.matmul_impl
-            if impl == "auto":  # the fused decode kernels on a GPU, where they fit
-                fits = decode_model.fused_decode_unsupported() is None
-                impl = "pallas_triton" if jax.default_backend() == "gpu" and fits else "xla"
-            decode_model.fuse_projections(impl)
-        graphdef, state = nnx.split(decode_model)
-    params = nnx.to_pure_dict(state)
-    dtype = as_dtype(cfg.model.dtype)
-    params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                          else x, params)
-    return graphdef, params
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def prefill(graphdef, params, tokens, lengths, key, *, cache_len, temperature, top_k, top_p):
+@functools.partial(jax.jit, static_argnames=("cache_len", "temperature", "top_k", "top_p"))
+def prefill(params: DecodeParams, tokens, lengths, key, *, cache_len, temperature, top_k,
+            top_p):
     """Prompts (B, P) right-padded, true lengths (B,) -> (cache, first tokens (B,))."""
-    model = nnx.merge(graphdef, params)
-    cache = model.init_cache(tokens.shape[0], cache_len)
-    logits, cache = model.forward_cached(tokens, cache, jnp.zeros_like(lengths), prefill=True)
+    zeros = jnp.zeros_like(lengths)
+    logits, cache, _ = forward(params, tokens, init_cache(params, tokens.shape[0], cache_len),
+                               zeros, prefill=True)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return cache, sample(last, key, temperature, top_k, top_p)
 
 
-def decode_chunk(graphdef, params, cache, token, pos, done, key, *, steps, temperature, top_k,
-                 top_p, eos_id):
+@functools.partial(jax.jit, donate_argnames=("cache",),
+                   static_argnames=("steps", "temperature", "top_k", "top_p", "eos_id"))
+def decode_chunk(params: DecodeParams, cache, token, pos, done, key, *, steps, temperature,
+                 top_k, top_p, eos_id):
     """`steps` decode steps on the device. token (B,) sits at pos (B,).
 
     Returns (cache, next token, next pos, done, key, emitted (B, steps)); rows already
     done emit -1.
     """
-    model = nnx.merge(graphdef, params)
-
     def step(carry, _):
         cache, token, pos, done, key = carry
         key, sub = jax.random.split(key)
-        logits, cache = model.forward_cached(token[:, None], cache, pos)
+        logits, cache, _ = forward(params, token[:, None], cache, pos)
         nxt = sample(logits[:, 0], sub, temperature, top_k, top_p)
         emitted = jnp.where(done, -1, token)
         done = done | (token == eos_id) if eos_id is not None else done
@@ -99,43 +70,7 @@ def decode_chunk(graphdef, params, cache, token, pos, done, key, *, steps, tempe
     return cache, token, pos, done, key, out.T
 
 
-def decode_steps(graphdef):
-    """(prefill, decode_chunk) jitted with `graphdef` bound (`jit_bound`): called as
-    prefill(params, tokens, lengths, key, ...) and decode_chunk(params, cache, ...), the
-    cache donated."""
-    return (jit_bound(prefill, (graphdef,),
-                      static_argnames=("cache_len", "temperature", "top_k", "top_p")),
-            jit_bound(decode_chunk, (graphdef,),
-                      static_argnames=("steps", "temperature", "top_k", "top_p", "eos_id"),
-                      donate_argnames=("cache",)))
-
-
-_BOUND: collections.OrderedDict = collections.OrderedDict()  # (fn, ids) -> (objects, jitted)
-
-
-def jit_bound(fn, bound: tuple, *, static_argnames=(), donate_argnames=()):
-    """`jax.jit(partial(fn, *bound))`, made once per (fn, bound objects) and cached.
-
-    jit hashes a static argument and compares it with the cached one on every call, and a
-    model's graph definition describes every module of every layer (on the H200 host,
-    8.4 ms to dispatch the 1B model's prefill with the graph definition static, 2.3 ms
-    with it bound). Binding the graph definitions once leaves only the arrays to pass.
-    The cache holds the last few bindings, keeping their objects alive, so an id is never
-    reused while cached.
-    """
-    key = (fn, tuple(map(id, bound)))
-    hit = _BOUND.get(key)
-    if hit is None or any(a is not b for a, b in zip(hit[0], bound)):
-        hit = (bound, jax.jit(partial(fn, *bound), static_argnames=static_argnames,
-                              donate_argnames=donate_argnames))
-        _BOUND[key] = hit
-        while len(_BOUND) > 8:
-            _BOUND.popitem(last=False)
-    _BOUND.move_to_end(key)
-    return hit[1]
-
-
-def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: int,
+def generate_ids(params: DecodeParams, prompts: list[list[int]], *, max_new_tokens: int,
                  temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  eos_id: int | None = None, chunk: int = 16,
                  on_tokens: Callable[[np.ndarray], None] | None = None,
@@ -152,22 +87,15 @@ def generate_ids(graphdef, params, prompts: list[list[int]], *, max_new_tokens: 
     are dropped. Without `overlap`, each chunk is dispatched after the previous one's
     tokens have reached the host.
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt must hold at least one token")
     b = len(prompts)
-    plen = _round_up(max(len(p) for p in prompts), 16)
-    cache_len = _round_up(plen + max_new_tokens + chunk, 64)
-    tokens = np.zeros((b, plen), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
-    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    tokens = jnp.asarray(tokens)
+    tokens, lengths = pad_prompts(prompts)
+    cache_len = round_up(tokens.shape[1] + max_new_tokens + chunk, 64)
     opts = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
     step_opts = dict(opts, eos_id=eos_id, steps=chunk)
     key = jax.random.key(seed)
     k_prefill, k_decode = jax.random.split(key)
 
-    prefill_fn, chunk_fn = decode_steps(graphdef)
+    prefill_fn, chunk_fn = prefill, decode_chunk
     compile_s = 0.0
     if warmup:
         t0 = time.perf_counter()
@@ -255,7 +183,7 @@ def generate(model, cfg: Config, prompts: list[str], *, max_new_tokens: int | No
     if longest > cfg.model.max_seq_len:
         raise ValueError(f"prompt ({max(len(i) for i in ids)} tokens) + max_new_tokens "
                          f"({max_new_tokens}) exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    graphdef, params = inference_params(model, cfg)
+    params = decode_params(model, cfg)
     on_tokens = None
     if stream is not None and len(prompts) == 1:
         dec = tokenizer.stream_decoder()
@@ -266,14 +194,13 @@ def generate(model, cfg: Config, prompts: list[str], *, max_new_tokens: int | No
         top_k=inf.top_k if top_k is None else top_k,
         top_p=inf.top_p if top_p is None else top_p,
         seed=seed, eos_id=tokenizer.eos_id, on_tokens=on_tokens)
-    method, k, _ = speculative_options(cfg)
-    if method == "none":
-        out, timings = generate_ids(graphdef, params, ids, chunk=inf.decode_chunk, **options)
+    spec = inf.speculative
+    if spec.method == "none":
+        out, timings = generate_ids(params, ids, chunk=inf.decode_chunk, **options)
     else:  # the same distribution in fewer target forwards (inference/speculative.py)
-        from jaxllm.inference.speculative import resolve_draft, speculative_generate_ids
-        out, timings = speculative_generate_ids(graphdef, params, ids, method=method, k=k,
-                                                draft=resolve_draft(cfg, draft_model),
-                                                **options)
+        out, timings = speculative_generate_ids(
+            params, ids, method=spec.method, k=spec.resolved_k(cfg.model.mtp_depth),
+            draft=resolve_draft(cfg, draft_model), **options)
     texts = [tokenizer.decode(r) for r in out]
     if not return_result:
         return texts

@@ -1,23 +1,23 @@
-"""Paged KV cache: a device page pool per layer stack and a host-side page allocator.
+"""KV caches of the decode program: one protocol, a contiguous and a paged implementation.
 
-The pool holds K and V as [L, Hkv, num_pages, page_size, D] in the model dtype; layer l
-is `k[l]`, the [Hkv, num_pages, page_size, D] layout `kernels.paged_attention` reads.
-A sequence owns a list of pages (its block table) and a length; token t of a sequence
-lives in page `table[t // page_size]` at offset `t % page_size`. Pages are taken one at
-a time as tokens arrive, so a sequence wastes at most its last, partly filled page.
+The protocol, as `inference/step.py` uses it (layer: a Python int, layers unrolled):
+    cache = cache.write(layer, k, v, positions)   # k/v (B, S, Hkv, D) at positions (B, S)
+    o = cache.attend(layer, q, positions, ...)    # q (B, S, Hq, D) over the cached keys
+Writes are indexed by position, so entries past a row's true length (padding, rejected
+speculative drafts) are overwritten later and never read: attention masks keys after the
+query.
 
-Sequences can be forked (beam search, parallel sampling, a shared prompt): the child
-shares every page with its parent (refcounts); the first write into a shared, partly
-filled last page copies it first (copy-on-write), and full pages are never written
-again, so they stay shared. When the pool runs dry, `OutOfPagesError` is raised before
-anything changes: the caller can free or preempt sequences and retry.
+`ContiguousCache`: per layer k, v [B, Hkv, max_len, D] (each (row, head) one contiguous
+[max_len, D] matrix, the layout a batched matmul reads without a transpose).
 
-Host bookkeeping is `PageAllocator` (pure Python + numpy, no device work). Device work is
-in pure functions (`token_slots`, `write_kv`, `write_layer`, `copy_pages`) that a jitted
-decode step can call directly; `PagedKVCache` ties both together for eager use. Inside a
-scan over layers, write with `write_layer` and read with the kernel's stacked-pool form,
-`paged_triton.paged_attention(q, k_pool, v_pool, tables, lengths, layer=l, ...)`, so no
-layer slice of the pool is ever copied.
+`PagedCache`: pools k, v [L, Hkv, num_pages, page_size, D] (layer l is `k[l]`, the layout
+`kernels.paged_attention` reads in place) and the batch's block tables. A sequence owns a
+list of pages and a length; token t lives in page `table[t // page_size]` at offset
+`t % page_size`. Pages are taken one at a time as tokens arrive, so a sequence wastes at
+most its last, partly filled page. `PageAllocator` is the host bookkeeping (refcounts,
+forks with copy-on-write of a shared, partly filled last page, `OutOfPagesError` before
+anything changes); `PagePool` ties the pool arrays to it for eager use; `token_slots`,
+`write_kv`, `write_layer` and `copy_pages` are the pure device functions.
 """
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxllm.kernels import decode_attention, paged_attention
+from jaxllm.kernels.reference import gather_pages
+from jaxllm.kernels.xla import cached_attention
 
 
 class OutOfPagesError(ValueError):
@@ -254,7 +258,7 @@ def _pad_pow2(xs: list[int], fill: int) -> np.ndarray:
 
 
 @dataclasses.dataclass
-class PagedKVCache:
+class PagePool:
     """The pool arrays plus their allocator; eager convenience around the pure functions."""
 
     k: jax.Array  # [L, Hkv, num_pages, page_size, D]
@@ -263,7 +267,7 @@ class PagedKVCache:
 
     @classmethod
     def create(cls, *, n_layers: int, n_kv_heads: int, head_dim: int, num_pages: int,
-               page_size: int, max_pages_per_seq: int, dtype=jnp.bfloat16) -> "PagedKVCache":
+               page_size: int, max_pages_per_seq: int, dtype=jnp.bfloat16) -> "PagePool":
         shape = (n_layers, n_kv_heads, num_pages, page_size, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                    PageAllocator(num_pages, page_size, max_pages_per_seq))
@@ -315,43 +319,72 @@ class PagedKVCache:
         return one(self.k), one(self.v)
 
 
-class PagedKV(NamedTuple):
-    """A paged cache as the model's attention layers see it (the same interface as the
-    contiguous `model.attention.KVCache`): the pools [L, Hkv, P, page, D] and the block
-    tables int32 [B, max_pages] of the batch's sequences, whose pages the caller has
-    reserved (PagedKVCache.reserve) before the step.
+class ContiguousCache(NamedTuple):
+    """Per-layer tuples of k, v [B, Hkv, max_len, D] in the compute dtype."""
+    k: tuple
+    v: tuple
 
-        logits, cache = model.forward_cached(tokens, PagedKV(k, v, tables), start)
-    """
+    @classmethod
+    def init(cls, n_layers, batch, max_len, n_kv_heads, head_dim, dtype) -> "ContiguousCache":
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        return cls(tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
+                   tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)))
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def dtype(self):
+        return self.k[0].dtype
+
+    def with_layer(self, layer: int, k, v) -> "ContiguousCache":
+        """This cache with layer `layer`'s buffers replaced by k, v [B, Hkv, T, D]."""
+        return ContiguousCache(self.k[:layer] + (k,) + self.k[layer + 1:],
+                               self.v[:layer] + (v,) + self.v[layer + 1:])
+
+    def write(self, layer: int, k, v, positions) -> "ContiguousCache":
+        rows = jnp.arange(k.shape[0])[:, None]  # (B, 1); (rows, :, positions) is [B, S, Hkv, D]
+        return self.with_layer(
+            layer, self.k[layer].at[rows, :, positions].set(k.astype(self.dtype)),
+            self.v[layer].at[rows, :, positions].set(v.astype(self.dtype)))
+
+    def attend(self, layer: int, q, positions, *, window: int | None = None,
+               impl: str = "auto", counters=None):
+        """The S new tokens of a row sit at consecutive positions (decoding, speculative
+        verification): `kernels.decode_attention` with `impl` (and its optional split
+        `counters`); with a sliding window, the masked einsums."""
+        k, v, q = self.k[layer], self.v[layer], q.astype(self.dtype)
+        if window is not None:
+            return cached_attention(q, k, v, positions, window)
+        return decode_attention(q, k, v, positions[:, -1] + 1, impl=impl, counters=counters)
+
+
+class PagedCache(NamedTuple):
+    """A paged cache as a step sees it: the pools [L, Hkv, P, page, D] and the block tables
+    int32 [B, max_pages] of the batch's sequences, whose pages the caller has reserved
+    (`PagePool.reserve`) before the step."""
     k: jax.Array
     v: jax.Array
     block_tables: jax.Array
 
-    def update(self, layer, k, v, positions) -> "PagedKV":
-        """Write k/v (B, S, Hkv, D) of layer `layer` at `positions` (B, S) into their pages."""
+    def write(self, layer: int, k, v, positions) -> "PagedCache":
         slots = token_slots(self.block_tables, positions, self.k.shape[3], self.k.shape[2])
         k_pool, v_pool = write_layer(self.k, self.v, layer, k, v, slots)
-        return PagedKV(k_pool, v_pool, self.block_tables)
+        return PagedCache(k_pool, v_pool, self.block_tables)
 
-    def attend(self, layer, q, positions, window: int | None = None, impl: str = "auto"):
-        """Queries q (B, S, Hq, D) at `positions` over the cached keys of layer `layer`
-        (`impl`, the model's decode_impl, is for the contiguous cache; pages take the paged
-        kernel).
-
-        One token per row (decoding) runs the paged kernel on the pool in place; several
-        (verifying speculative drafts) gather the rows' pages and mask by position.
-        """
+    def attend(self, layer: int, q, positions, *, window: int | None = None,
+               impl: str = "auto", counters=None):
+        """One token per row (decoding) runs the paged kernel on the pool in place; several
+        (verifying speculative drafts) gather the rows' pages and mask by position. `impl`
+        and `counters` are the contiguous cache's (pages take the paged kernel)."""
         if window is not None:
             raise ValueError("the paged cache has no sliding-window attention; use the "
-                             "contiguous KVCache for models with model.sliding_window")
-        b, s, hq, d = q.shape
-        if s == 1:
-            from jaxllm.kernels import paged_attention
+                             "contiguous cache for models with model.sliding_window")
+        if q.shape[1] == 1:
             o = paged_attention(q[:, 0].astype(self.k.dtype), self.k, self.v,
                                 self.block_tables, positions[:, 0] + 1, layer=layer)
             return o[:, None]
-        from jaxllm.kernels.reference import gather_pages
-        from jaxllm.kernels.xla import cached_attention
         k = gather_pages(self.k[layer], self.block_tables).swapaxes(1, 2)  # (B, Hkv, T, D)
         v = gather_pages(self.v[layer], self.block_tables).swapaxes(1, 2)
         return cached_attention(q.astype(self.k.dtype), k, v, positions)

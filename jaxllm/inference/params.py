@@ -1,0 +1,121 @@
+"""Training parameters -> `DecodeParams`, the parameters of the decode program, made once.
+
+Per layer (no stacked [L, ...] arrays, so a step reads each weight in place), q/k/v joined
+into one weight and gate/up into another, every weight stored out-major ([*out, in]: each
+output's weights contiguous, the layout of the fused decode matmuls), all cast to the
+compute dtype. The model's config and the row limit of the fused kernels ride along as
+static fields, so a jitted step needs nothing else.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxllm.config import Config, ModelConfig
+from jaxllm.kernels import pick
+from jaxllm.model.layers import as_dtype
+
+# Steps of at most this many rows (batch x new tokens) run each layer in the fused decode
+# matmuls when they are picked; XLA's matmuls do better above (docs/performance.md).
+FUSED_ROWS = 1
+
+
+@struct.dataclass
+class LayerParams:
+    attn_norm: jax.Array  # [d]
+    qkv: jax.Array  # [Hq + 2 Hkv, D, d]
+    qkv_bias: jax.Array | None  # [Hq + 2 Hkv, D]
+    o: jax.Array  # [d, Hq * D]
+    mlp_norm: jax.Array  # [d]
+    gate_up: jax.Array  # [2, F, d]
+    down: jax.Array  # [d, F]
+
+
+@struct.dataclass
+class MTPParams:
+    h_norm: jax.Array  # [d]
+    e_norm: jax.Array  # [d]
+    proj: jax.Array  # [d, 2 d]
+    block: LayerParams
+
+
+@struct.dataclass
+class DecodeParams:
+    embed: jax.Array  # [V, d]
+    layers: tuple  # of LayerParams, one per layer
+    final_norm: jax.Array  # [d]
+    head: jax.Array | None  # [V, d]; None: tied to the embedding
+    mtp: tuple  # of MTPParams, one per MTP module (empty without them)
+    cfg: ModelConfig = struct.field(pytree_node=False)
+    fused_rows: int = struct.field(pytree_node=False, default=0)  # 0: never fused
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+
+def _out_major(w, n_in: int = 1):
+    """[*in, *out] -> [*out, *in]."""
+    return jnp.moveaxis(w, tuple(range(n_in)), tuple(range(w.ndim - n_in, w.ndim)))
+
+
+def _layer(blk: dict) -> LayerParams:
+    attn, mlp = blk["attn"], blk["mlp"]
+    qkv = jnp.concatenate([attn[n]["kernel"] for n in "qkv"], axis=1)  # [d, Hq + 2 Hkv, D]
+    bias = (jnp.concatenate([attn[n]["bias"] for n in "qkv"], axis=0)
+            if "bias" in attn["q"] else None)
+    o = attn["o"]["kernel"]  # [Hq, D, d]
+    return LayerParams(
+        attn_norm=blk["attn_norm"]["scale"], qkv=_out_major(qkv), qkv_bias=bias,
+        o=_out_major(o, 2).reshape(o.shape[-1], -1), mlp_norm=blk["mlp_norm"]["scale"],
+        gate_up=_out_major(jnp.stack([mlp["gate"]["kernel"], mlp["up"]["kernel"]], axis=1)),
+        down=_out_major(mlp["down"]["kernel"]))
+
+
+def _fused_rows(cfg: Config) -> int:
+    """FUSED_ROWS when inference.matmul_impl picks the fused decode matmuls for every
+    projection of a layer, else 0. An explicit pick they cannot take raises."""
+    m, impl = cfg.model, cfg.inference.matmul_impl
+    if m.qkv_bias:
+        if impl == "pallas_triton":
+            raise ValueError("inference.matmul_impl='pallas_triton': the fused decode "
+                             "matmuls take no q/k/v bias (model.qkv_bias); use 'auto' or 'xla'")
+        return 0
+    hq, hkv, hd, d, f = m.n_heads, m.n_kv_heads, m.resolved_head_dim, m.d_model, m.mlp_dim
+    dtype = as_dtype(m.dtype)
+    for k, w, epilogue in ((d, (hq + 2 * hkv, hd, d), "qkv"), (hq * hd, (d, hq * hd), "none"),
+                           (d, (2, f, d), "glu"), (f, (d, f), "none")):
+        x = jax.ShapeDtypeStruct((FUSED_ROWS, k), dtype)
+        if pick("matmul", impl, x, jax.ShapeDtypeStruct(w, dtype), epilogue).name == "xla":
+            return 0
+    return FUSED_ROWS
+
+
+def decode_params(model, cfg: Config, *, fused_rows: int | None = None) -> DecodeParams:
+    """The decode program's parameters for a trained `model` (left as it is).
+
+    `fused_rows` overrides the row limit of the fused decode matmuls (tests use it to run
+    them on steps of several rows); by default it follows inference.matmul_impl.
+    """
+    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    fused_rows = _fused_rows(cfg) if fused_rows is None else fused_rows
+    return _convert(state, model.cfg, fused_rows)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _convert(state: dict, cfg: ModelConfig, fused_rows: int) -> DecodeParams:
+    dtype = as_dtype(cfg.dtype)
+    blocks = state["blocks"]
+    layers = tuple(_layer(jax.tree.map(lambda a, i=i: a[i], blocks)) for i in range(cfg.n_layers))
+    mtp = tuple(MTPParams(h_norm=m["h_norm"]["scale"], e_norm=m["e_norm"]["scale"],
+                          proj=_out_major(m["proj"]["kernel"]), block=_layer(m["block"]))
+                for _, m in sorted((state.get("mtp") or {"layers": {}})["layers"].items()))
+    head = state.get("head")
+    params = DecodeParams(embed=state["embed"]["embedding"], layers=layers,
+                          final_norm=state["final_norm"]["scale"],
+                          head=None if head is None else _out_major(head["kernel"]), mtp=mtp,
+                          cfg=cfg, fused_rows=fused_rows)
+    return jax.tree.map(lambda x: x.astype(dtype), params)

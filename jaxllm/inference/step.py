@@ -1,0 +1,152 @@
+"""The decode program: pure functions over `DecodeParams` and a KV cache.
+
+    logits, cache, hidden = forward(params, tokens, cache, start, prefill=...)
+
+runs new tokens (B, S) at positions start[b] + i through every layer (a Python loop over
+the per-layer weights) and writes their K/V into the cache (inference/cache.py). Prefill
+(every row from position 0) attends over the new tokens alone with the flash kernel;
+decoding and speculative verification attend over the cache. Which kernel runs is the
+kernel registry's pick (`jaxllm.kernels`); steps of at most `params.fused_rows` rows over
+a contiguous cache run each layer in the fused decode matmuls instead of XLA's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.inference.cache import ContiguousCache
+from jaxllm.inference.params import DecodeParams, LayerParams
+from jaxllm.kernels import decode_matmul, flash_attention
+from jaxllm.kernels.xla import cached_attention
+from jaxllm.model.layers import apply_rope, as_dtype, rope_frequencies
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def pad_prompts(prompts: list[list[int]], multiple: int = 16):
+    """Token-id prompts -> (tokens int32 (B, P) right-padded to a multiple of `multiple`,
+    true lengths int32 (B,)); P in few sizes, so prefill compiles for few shapes."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must hold at least one token")
+    tokens = np.zeros((len(prompts), round_up(max(map(len, prompts)), multiple)), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def init_cache(params: DecodeParams, batch: int, max_len: int, n_layers: int | None = None):
+    """A zeroed contiguous cache for `n_layers` layers (default: the model's)."""
+    c = params.cfg
+    return ContiguousCache.init(params.n_layers if n_layers is None else n_layers, batch,
+                                max_len, c.n_kv_heads, c.resolved_head_dim, as_dtype(c.dtype))
+
+
+def rms_norm(x, scale, eps: float):
+    """x / rms(x) * scale in float32, returned in x's dtype (as model.layers.RMSNorm)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def dense(x, w, bias=None):
+    """x (..., K) @ out-major w (*out, K) -> (..., *out)."""
+    y = jnp.dot(x.reshape(-1, x.shape[-1]), w.reshape(-1, w.shape[-1]).T)
+    y = y.reshape(*x.shape[:-1], *w.shape[:-1])
+    return y if bias is None else y + bias
+
+
+def embed(params: DecodeParams, tokens):  # (B, S) -> (B, S, d)
+    return jnp.take(params.embed, tokens, axis=0)
+
+
+def logits(params: DecodeParams, h):
+    """Final norm + output head: hidden (B, S, d) -> float32 logits (B, S, V)."""
+    h = rms_norm(h, params.final_norm, params.cfg.norm_eps)
+    head = params.embed if params.head is None else params.head
+    return jnp.einsum("bsd,vd->bsv", h, head, preferred_element_type=jnp.float32)
+
+
+def _attention(cfg, q, k, v, positions, cache, layer, prefill: bool):
+    """New tokens' q (B, S, Hq, D) over themselves (prefill) or over the cache."""
+    window = cfg.sliding_window
+    if not prefill:
+        return cache.attend(layer, q, positions, window=window, impl=cfg.decode_impl)
+    if window is not None and window < q.shape[1]:  # the flash kernels have no window
+        return cached_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), positions, window)
+    return flash_attention(q, k, v, causal=True, impl=cfg.attention_impl)
+
+
+def block(cfg, lp: LayerParams, x, positions, cache, layer: int, *, prefill: bool = False,
+          fused: bool = False):
+    """One transformer block over x (B, S, d) at positions (B, S). Returns (x, cache)."""
+    if fused:
+        return _fused_block(cfg, lp, x, positions, cache, layer)
+    b, s, _ = x.shape
+    hq, hkv = cfg.n_heads, cfg.n_kv_heads
+    qkv = dense(rms_norm(x, lp.attn_norm, cfg.norm_eps), lp.qkv, lp.qkv_bias)  # (B, S, H, D)
+    q = apply_rope(qkv[:, :, :hq], positions, cfg.rope_theta, cfg.rope_scaling)
+    k = apply_rope(qkv[:, :, hq:hq + hkv], positions, cfg.rope_theta, cfg.rope_scaling)
+    v = qkv[:, :, hq + hkv:]
+    cache = cache.write(layer, k, v, positions)
+    o = _attention(cfg, q, k, v, positions, cache, layer, prefill)  # (B, S, Hq, D)
+    x = x + dense(o.reshape(b, s, -1), lp.o)
+    gate_up = dense(rms_norm(x, lp.mlp_norm, cfg.norm_eps), lp.gate_up)  # (B, S, 2, F)
+    return x + dense(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], lp.down), cache
+
+
+def _fused_block(cfg, lp: LayerParams, x, positions, cache: ContiguousCache, layer: int):
+    """The block in five kernels: norm + q/k/v + RoPE + cache write, attention over the
+    cache, output projection + residual, norm + gate/up + SwiGLU, down projection +
+    residual. The same numbers as `block`, to rounding."""
+    b, s, d = x.shape
+    hq, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    x2 = x.reshape(b * s, d)
+    # the q/k/v kernel also zeroes the counters with which the attention kernel merges
+    # its context splits in place (no merge kernels after it)
+    q, k_cache, v_cache, counters = decode_matmul(
+        x2, lp.qkv, norm_scale=lp.attn_norm, eps=cfg.norm_eps, epilogue="qkv",
+        positions=positions.reshape(b * s),
+        inv_freq=rope_frequencies(hd, cfg.rope_theta, cfg.rope_scaling), q_len=s, q_heads=hq,
+        k_cache=cache.k[layer], v_cache=cache.v[layer], zeros=b * hkv)
+    cache = cache.with_layer(layer, k_cache, v_cache)
+    o = cache.attend(layer, q.reshape(b, s, hq, hd), positions, window=cfg.sliding_window,
+                     impl=cfg.decode_impl, counters=counters)
+    x2 = decode_matmul(o.reshape(b * s, -1), lp.o, residual=x2)
+    h = decode_matmul(x2, lp.gate_up, epilogue="glu", norm_scale=lp.mlp_norm, eps=cfg.norm_eps)
+    x2 = decode_matmul(h, lp.down, residual=x2)
+    return x2.reshape(b, s, d), cache
+
+
+def _positions(start, s: int):
+    return start[:, None].astype(jnp.int32) + jnp.arange(s, dtype=jnp.int32)[None]
+
+
+def forward(params: DecodeParams, tokens, cache, start, *, prefill: bool = False):
+    """tokens (B, S) at positions start[b] + i -> (logits (B, S, V), cache, hidden (B, S, d)).
+
+    prefill=True is for rows that start at 0: attention over the new tokens alone is then
+    exact (the flash kernel)."""
+    b, s = tokens.shape
+    positions = _positions(start, s)
+    fused = (not prefill and b * s <= params.fused_rows
+             and isinstance(cache, ContiguousCache))
+    x = embed(params, tokens)
+    for layer, lp in enumerate(params.layers):
+        x, cache = block(params.cfg, lp, x, positions, cache, layer, prefill=prefill,
+                         fused=fused)
+    return logits(params, x), cache, x
+
+
+def mtp_forward(params: DecodeParams, depth: int, h, tokens, cache, start, *,
+                prefill: bool = False):
+    """MTP module `depth` (0-based; model/mtp.py) over h (B, S, d), the previous depth's
+    hidden states, and the tokens one ahead of each (B, S); its K/V live in layer `depth`
+    of `cache`. Returns (hidden (B, S, d), cache)."""
+    m, cfg = params.mtp[depth], params.cfg
+    x = jnp.concatenate([rms_norm(h, m.h_norm, cfg.norm_eps),
+                         rms_norm(embed(params, tokens), m.e_norm, cfg.norm_eps)], axis=-1)
+    positions = _positions(start, tokens.shape[1])
+    return block(cfg, m.block, dense(x, m.proj), positions, cache, depth, prefill=prefill)

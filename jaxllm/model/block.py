@@ -1,0 +1,29 @@
+"""One transformer block: x + attention(norm(x)), then + SwiGLU(norm(x))."""
+from __future__ import annotations
+
+from flax import nnx
+
+from jaxllm.config import ModelConfig
+from jaxllm.model.attention import Attention
+from jaxllm.model.layers import MLP, RMSNorm, as_dtype
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype, pdtype = as_dtype(cfg.dtype), as_dtype(cfg.param_dtype)
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # residual outputs scaled by depth
+        norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.d_model, **norm)
+        self.attn = Attention(d_model=cfg.d_model, n_heads=cfg.n_heads,
+                              n_kv_heads=cfg.n_kv_heads, head_dim=cfg.resolved_head_dim,
+                              rope_theta=cfg.rope_theta, attention_impl=cfg.attention_impl,
+                              qkv_bias=cfg.qkv_bias, rope_scaling=cfg.rope_scaling,
+                              sliding_window=cfg.sliding_window, dtype=dtype,
+                              param_dtype=pdtype, rngs=rngs, std=cfg.init_std, out_std=out_std)
+        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+        self.mlp = MLP(cfg.d_model, cfg.mlp_dim, dtype=dtype, param_dtype=pdtype, rngs=rngs,
+                       std=cfg.init_std, out_std=out_std)
+
+    def __call__(self, x, positions):  # x (B, S, d), positions int (B, S) -> (B, S, d)
+        x = x + self.attn(self.attn_norm(x), positions)
+        return x + self.mlp(self.mlp_norm(x))
