@@ -105,7 +105,7 @@ class Attention(nnx.Module):
         self.qkv = nnx.data(None)  # decode form, see fuse_projections
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.rope_theta, self.impl, self.decode_impl = rope_theta, attention_impl, decode_impl
-        self.rope_scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
+        self.rope_scaling = rope_scaling  # a RopeScaling (hashable: static in the jit) or None
         self.window = sliding_window
 
     def fuse_projections(self, out_major: bool = False):
