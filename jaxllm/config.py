@@ -2,31 +2,66 @@
 
     cfg = load_config("configs/tiny.yaml", overrides=["model.n_layers=2", "train.lr=1e-3"])
 
-Unknown keys are errors with a did-you-mean; types are checked; sizes must be positive;
-head counts must divide. Nothing is silently clamped or ignored.
+Sections are frozen dataclasses, some with nested ones (`inference.speculative`,
+`model.rope_scaling`), built from YAML mappings by one generic builder: unknown keys are
+errors with a did-you-mean, types are checked (a `Literal` field takes one of its values),
+each section checks its own values when built, and `Config.check` the ones that span
+sections. Nothing is silently clamped or ignored.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
-DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas_triton", "pallas_mosaic")
-DECODE_IMPLS = ("auto", "xla", "pallas_triton")
-# model.rope_scaling: the keys each rope_type takes (Llama 3.1 frequency scaling)
-ROPE_SCALING_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                "original_max_position_embeddings")}
+DType = Literal["float32", "bfloat16", "float16"]
+AttentionImpl = Literal["auto", "reference", "xla", "cudnn", "pallas_triton", "pallas_mosaic"]
+DecodeImpl = Literal["auto", "xla", "pallas_triton"]
+MatmulImpl = Literal["auto", "xla", "pallas_triton"]
+
+DTYPES = typing.get_args(DType)
+ATTENTION_IMPLS = typing.get_args(AttentionImpl)
+DECODE_IMPLS = typing.get_args(DecodeImpl)
+MATMUL_IMPLS = typing.get_args(MatmulImpl)
 
 
 class ConfigError(ValueError):
     """A config value or key is wrong; the message names it and the fix."""
+
+
+def _positive(section: str, obj, names) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ConfigError(f"{section}.{name}={getattr(obj, name)} must be positive")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """model.rope_scaling, Llama 3.1's frequency scaling: wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
+    shorter than original_max_position_embeddings / high_freq_factor are kept."""
+    rope_type: Literal["llama3"]
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.rope_scaling.{name}={getattr(self, name)!r} must be "
+                                  f"a positive number")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor} "
+                              f"must exceed low_freq_factor={self.low_freq_factor}")
 
 
 @dataclass(frozen=True)
@@ -39,24 +74,41 @@ class ModelConfig:
     head_dim: int | None = None  # default d_model // n_heads
     mlp_dim: int = 512
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "llama3", ...} (see ROPE_SCALING_KEYS)
+    rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None  # attend to the last `sliding_window` keys (Mistral)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    attention_impl: str = "auto"
-    decode_impl: str = "auto"  # cached decoding: "auto", "xla" or "pallas_triton"
-    dtype: str = "float32"  # compute dtype of matmuls
-    param_dtype: str = "float32"
+    attention_impl: AttentionImpl = "auto"
+    decode_impl: DecodeImpl = "auto"  # attention of cached decoding
+    dtype: DType = "float32"  # compute dtype of matmuls
+    param_dtype: DType = "float32"
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
-    remat: str = "full"  # per-block rematerialisation: "none", "full" or "dots"
+    remat: Literal["none", "full", "dots"] = "full"  # per-block rematerialisation
     max_seq_len: int = 2048  # longest sequence generation may build a cache for
     mtp_depth: int = 0  # multi-token-prediction modules (speculative drafting)
     init_std: float = 0.02
 
-    def __hash__(self):  # rope_scaling is a dict; models keep the config in static metadata
-        scaling = tuple(sorted((self.rope_scaling or {}).items()))
-        return hash(tuple(getattr(self, f.name) if f.name != "rope_scaling" else scaling
-                          for f in dataclasses.fields(self)))
+    def __post_init__(self):
+        _positive("model", self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                                  "mlp_dim", "max_seq_len"))
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ConfigError(f"model.head_dim={self.head_dim} must be positive")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model.n_heads={self.n_heads} is not divisible by "
+                              f"model.n_kv_heads={self.n_kv_heads}")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by "
+                              f"model.n_heads={self.n_heads}; set model.head_dim explicitly")
+        if self.resolved_head_dim % 2:
+            raise ConfigError(f"head_dim={self.resolved_head_dim} must be even for rotary "
+                              f"embeddings")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"model.rope_theta={self.rope_theta} must be positive")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"model.sliding_window={self.sliding_window} must be positive "
+                              f"(or null for full attention)")
+        if self.mtp_depth < 0:
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth} must be >= 0")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -92,8 +144,18 @@ class ParallelismConfig:
     ep: int = 1
     cp: int = 1
     tp: int = 1
-    cp_impl: str = "ring"  # context-parallel attention: "ring" or "allgather"
+    cp_impl: Literal["ring", "allgather"] = "ring"  # context-parallel attention
     sequence_parallel: bool = False  # with tp: norms and residuals split over seq on tp
+
+    def __post_init__(self):
+        axes = ("pp", "dp", "fsdp", "ep", "cp", "tp")
+        for name in axes:
+            v = getattr(self, name)
+            if v == 0 or v < -1:
+                raise ConfigError(f"parallelism.{name}={v} must be positive or -1 "
+                                  f"(remaining devices)")
+        if sum(getattr(self, n) == -1 for n in axes) > 1:
+            raise ConfigError("at most one parallelism axis may be -1")
 
 
 @dataclass(frozen=True)
@@ -118,6 +180,16 @@ class TrainConfig:
     distill_from: str | None = None  # a run directory: KL(its logits || ours) replaces CE
     progress: bool = True  # rich progress bar
 
+    def __post_init__(self):
+        _positive("train", self, ("steps", "batch_size", "seq_len", "log_every", "eval_every",
+                                  "eval_batches", "lr"))
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"train.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -127,6 +199,10 @@ class DataConfig:
     val_fraction: float = 0.02  # fraction of files held out for validation
     jsonl_field: str = "text"
 
+    def __post_init__(self):
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction={self.val_fraction} must lie in (0, 1)")
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -135,6 +211,35 @@ class CheckpointConfig:
     async_save: bool = True
     enabled: bool = True  # False: no checkpoints at all (benchmarks)
 
+    def __post_init__(self):
+        if self.every <= 0 or self.keep <= 0:
+            raise ConfigError(f"checkpoint.every={self.every} and checkpoint.keep={self.keep} "
+                              f"must be positive")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """inference.speculative: draft `k` tokens a step ("draft": with the model at `draft`,
+    a run directory or a config whose train.run_dir holds checkpoints, of the same
+    vocabulary; "mtp": with the model's MTP modules) and verify them in one target step."""
+    method: Literal["none", "draft", "mtp"] = "none"
+    k: int | None = None  # default: model.mtp_depth with "mtp", 4 with "draft"
+    draft: str | None = None
+
+    def __post_init__(self):
+        if self.k is not None and self.k <= 0:
+            raise ConfigError(f"inference.speculative.k={self.k!r} must be a positive integer "
+                              f"(drafted tokens per step)")
+        if self.method == "draft" and not self.draft:
+            raise ConfigError("inference.speculative.method='draft' needs a draft model: set "
+                              "inference.speculative.draft to its run directory or config")
+
+    def resolved_k(self, mtp_depth: int) -> int:
+        """Drafted tokens per step: `k`, or its default for the method."""
+        if self.k is not None:
+            return self.k
+        return mtp_depth if self.method == "mtp" else 4
+
 
 @dataclass(frozen=True)
 class InferenceConfig:
@@ -142,14 +247,22 @@ class InferenceConfig:
     temperature: float = 0.8
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
-    speculative: dict = field(default_factory=lambda: {"method": "none"})
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     decode_chunk: int = 16  # tokens decoded on the device between host syncs (streaming)
-    unstack_layers: bool = True  # decode with per-layer weight arrays and an unrolled loop
-    fuse_projections: bool = True  # with unstack_layers: q/k/v and gate/up weights joined
-    # decode-form layers: "xla" matmuls, or "pallas_triton": the fused decode kernels
-    # (norm, RoPE, cache write, SwiGLU, residuals inside the weight reads) for 1-row steps;
+    # decode-step matmuls: "xla", or "pallas_triton": the fused decode kernels (norm, RoPE,
+    # cache write, SwiGLU, residuals inside the weight reads) for 1-row steps;
     # "auto": pallas_triton on a GPU where the model's shapes fit, else xla
-    matmul_impl: str = "auto"
+    matmul_impl: MatmulImpl = "auto"
+
+    def __post_init__(self):
+        _positive("inference", self, ("max_new_tokens", "decode_chunk"))
+        if self.temperature < 0:
+            raise ConfigError(f"inference.temperature={self.temperature} must be >= 0 "
+                              f"(0 is greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"inference.top_k={self.top_k} must be >= 0 (0 turns it off)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"inference.top_p={self.top_p} must lie in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -161,6 +274,24 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
 
+    def check(self) -> None:
+        """The checks that span sections (each section checks its own values when built).
+        Not run on construction: code builds partial configs, e.g. Config(model=m)."""
+        m, t, spec = self.model, self.train, self.inference.speculative
+        if t.seq_len > m.max_seq_len:
+            raise ConfigError(f"train.seq_len={t.seq_len} exceeds "
+                              f"model.max_seq_len={m.max_seq_len}")
+        if spec.method == "mtp":
+            depth = m.mtp_depth
+            if depth == 0:
+                raise ConfigError("inference.speculative.method='mtp' needs a model trained "
+                                  "with MTP modules (model.mtp_depth >= 1); or use method "
+                                  "'draft'")
+            if spec.resolved_k(depth) > depth:
+                raise ConfigError(f"inference.speculative.k={spec.k} exceeds "
+                                  f"model.mtp_depth={depth}: the MTP modules draft at most "
+                                  f"{depth} tokens; set k <= {depth}")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -171,20 +302,38 @@ class Config:
 # ---------------------------------------------------------------------------------------
 # Building from dicts, with type checks and did-you-mean errors.
 
+# keys that were removed, with what replaced them (a config of an older run names them)
+_REMOVED = {"inference.unstack_layers": "decoding always uses per-layer weights",
+            "inference.fuse_projections": "decoding always joins q/k/v and gate/up"}
+
+
+def _close_match(word, choices) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
 
 def _did_you_mean(key: str, choices) -> str:
-    close = difflib.get_close_matches(key, list(choices), n=1)
-    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {sorted(choices)}"
+    return _close_match(key, choices) or f"; valid keys: {sorted(choices)}"
 
 
 def _coerce(where: str, value: Any, annotation) -> Any:
-    """Check `value` against a field annotation (int, float, bool, str, dict, X | None)."""
+    """Check `value` against a field annotation: bool, int, float, str, a Literal, a
+    dataclass (a nested section, built from a mapping), or X | None."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(annotation)
         if value is None and type(None) in args:
             return None
         (annotation,) = [a for a in args if a is not type(None)]
+        origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if any(value == c and type(value) is type(c) for c in choices):
+            return value
+        raise ConfigError(f"{where}={value!r} is unknown (not a known {where.split('.')[-1]}); "
+                          f"choose one of {choices}" + _close_match(value, choices))
+    if dataclasses.is_dataclass(annotation):
+        return _build_section(annotation, where, value)
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -202,52 +351,57 @@ def _coerce(where: str, value: Any, annotation) -> Any:
     elif annotation is str:
         if isinstance(value, str):
             return value
-    elif annotation is dict or typing.get_origin(annotation) is dict:
-        if isinstance(value, dict):
-            return value
     else:
-        return value
+        raise TypeError(f"{where}: no config builder for the annotation {annotation!r}")
     raise ConfigError(f"{where}={value!r} has type {type(value).__name__}; "
-                      f"expected {getattr(annotation, '__name__', annotation)}")
+                      f"expected {annotation.__name__}")
 
 
-def _build_section(cls, name: str, raw: dict) -> Any:
+def _build_section(cls, where: str, raw: dict | None) -> Any:
+    """An instance of the dataclass `cls` from a mapping (None: the defaults); `where` is
+    its dotted place in the config ("" for the whole config)."""
+    if raw is None:
+        raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"config section {name!r} must be a mapping; got {raw!r}")
+        raise ConfigError(f"config section {where!r} must be a mapping; got {raw!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
+        dotted = f"{where}.{key}" if where else key
         if key not in fields:
-            raise ConfigError(f"unknown config key {name}.{key}" + _did_you_mean(key, fields))
-        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+            if dotted in _REMOVED:
+                raise ConfigError(f"{dotted} was removed ({_REMOVED[dotted]}); delete it "
+                                  f"from the config")
+            unknown = f"config key {dotted}" if where else f"config section {key!r}"
+            raise ConfigError(f"unknown {unknown}" + _did_you_mean(key, fields))
+        kwargs[key] = _coerce(dotted, value, hints[key])
+    missing = [n for n, f in fields.items() if n not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where} lacks {', '.join(missing)}; set every one of "
+                          f"{list(fields)}")
     return cls(**kwargs)
-
-
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-_SECTION_CLASSES = {"model": ModelConfig, "parallelism": ParallelismConfig,
-                    "train": TrainConfig, "data": DataConfig,
-                    "checkpoint": CheckpointConfig, "inference": InferenceConfig}
 
 
 def config_from_dict(raw: dict | None) -> Config:
     raw = raw or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a mapping of sections; got {type(raw).__name__}")
-    sections = {}
-    for name, value in raw.items():
-        if name not in _SECTION_CLASSES:
-            raise ConfigError(f"unknown config section {name!r}"
-                              + _did_you_mean(name, _SECTION_CLASSES))
-        sections[name] = _build_section(_SECTION_CLASSES[name], name, value or {})
-    cfg = Config(**sections)
-    validate(cfg)
+    cfg = _build_section(Config, "", raw)
+    cfg.check()
     return cfg
 
 
-def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:
-    """Apply `section.key=value` strings (values parsed as YAML scalars) to a raw dict."""
-    raw = {k: dict(v or {}) for k, v in (raw or {}).items()}
+_SECTIONS = {f.name for f in dataclasses.fields(Config)}
+
+
+def apply_overrides(raw: dict | None, overrides: list[str] | None) -> dict:
+    """Apply `section.key=value` strings (values parsed as YAML scalars) to a copy of a raw
+    dict; keys of nested sections have more dots: `inference.speculative.k=2`."""
+    raw = copy.deepcopy(raw or {})
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a mapping of sections; got {type(raw).__name__}")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
@@ -255,14 +409,15 @@ def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:
         parts = dotted.strip().split(".")
         if len(parts) < 2:
             raise ConfigError(f"override key {dotted!r} must be section.key, e.g. train.lr")
-        section = parts[0]
-        if section not in _SECTION_CLASSES:
-            raise ConfigError(f"unknown config section {section!r} in override {item!r}"
-                              + _did_you_mean(section, _SECTION_CLASSES))
-        target = raw.setdefault(section, {})
-        for p in parts[1:-1]:  # nested dict fields, e.g. inference.speculative.k=4
-            target = target.setdefault(p, {}) if isinstance(target.get(p, {}), dict) else None
-            if target is None:
+        if parts[0] not in _SECTIONS:
+            raise ConfigError(f"unknown config section {parts[0]!r} in override {item!r}"
+                              + _did_you_mean(parts[0], _SECTIONS))
+        target = raw
+        for p in parts[:-1]:  # a null (or absent) section starts empty
+            if target.get(p) is None:
+                target[p] = {}
+            target = target[p]
+            if not isinstance(target, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is not a mapping")
         target[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
     return raw
@@ -278,156 +433,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         raw = yaml.safe_load(path.read_text()) or {}
-    if overrides and "speculative" in raw.get("inference", {}):
-        raw["inference"]["speculative"] = dict(raw["inference"]["speculative"])
     return config_from_dict(apply_overrides(raw, overrides))
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
-def _validate_rope_scaling(scaling: dict) -> None:
-    kind = scaling.get("rope_type")
-    if kind not in ROPE_SCALING_KEYS:
-        raise ConfigError(f"model.rope_scaling.rope_type={kind!r} is not supported; "
-                          f"choose one of {sorted(ROPE_SCALING_KEYS)} (or rope_scaling: null)")
-    keys = ROPE_SCALING_KEYS[kind]
-    for key in scaling:
-        if key != "rope_type" and key not in keys:
-            raise ConfigError(f"unknown key model.rope_scaling.{key} for rope_type {kind!r}"
-                              + _did_you_mean(key, keys))
-    for key in keys:
-        v = scaling.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise ConfigError(f"model.rope_scaling.{key}={v!r} must be a positive number")
-    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise ConfigError(f"model.rope_scaling.high_freq_factor={scaling['high_freq_factor']} "
-                          f"must exceed low_freq_factor={scaling['low_freq_factor']}")
-
-
-def validate(cfg: Config) -> None:
-    m = cfg.model
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_dim",
-                 "max_seq_len"):
-        if getattr(m, name) <= 0:
-            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
-    if m.head_dim is not None and m.head_dim <= 0:
-        raise ConfigError(f"model.head_dim={m.head_dim} must be positive")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by "
-                          f"model.n_kv_heads={m.n_kv_heads}")
-    if m.head_dim is None and m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by "
-                          f"model.n_heads={m.n_heads}; set model.head_dim explicitly")
-    if m.resolved_head_dim % 2:
-        raise ConfigError(f"head_dim={m.resolved_head_dim} must be even for rotary embeddings")
-    if m.rope_theta <= 0:
-        raise ConfigError(f"model.rope_theta={m.rope_theta} must be positive")
-    if m.rope_scaling is not None:
-        _validate_rope_scaling(m.rope_scaling)
-    if m.sliding_window is not None and m.sliding_window <= 0:
-        raise ConfigError(f"model.sliding_window={m.sliding_window} must be positive "
-                          f"(or null for full attention)")
-    if m.mtp_depth < 0:
-        raise ConfigError(f"model.mtp_depth={m.mtp_depth} must be >= 0")
-    for name in ("dtype", "param_dtype"):
-        if getattr(m, name) not in DTYPES:
-            raise ConfigError(f"model.{name}={getattr(m, name)!r} is not a known dtype; "
-                              f"choose one of {DTYPES}")
-    if m.remat not in ("none", "full", "dots"):
-        raise ConfigError(f"model.remat={m.remat!r}; choose 'none', 'full' or 'dots'")
-    if m.attention_impl not in ATTENTION_IMPLS:
-        raise ConfigError(f"model.attention_impl={m.attention_impl!r} is unknown; "
-                          f"choose one of {ATTENTION_IMPLS}")
-    if m.decode_impl not in DECODE_IMPLS:
-        raise ConfigError(f"model.decode_impl={m.decode_impl!r} is unknown; "
-                          f"choose one of {DECODE_IMPLS}")
-
-    p = cfg.parallelism
-    for name in ("pp", "dp", "fsdp", "ep", "cp", "tp"):
-        v = getattr(p, name)
-        if v == 0 or v < -1:
-            raise ConfigError(f"parallelism.{name}={v} must be positive or -1 (remaining devices)")
-    if sum(getattr(p, n) == -1 for n in ("pp", "dp", "fsdp", "ep", "cp", "tp")) > 1:
-        raise ConfigError("at most one parallelism axis may be -1")
-    if p.cp_impl not in ("ring", "allgather"):
-        raise ConfigError(f"parallelism.cp_impl={p.cp_impl!r}; choose 'ring' or 'allgather'")
-
-    t = cfg.train
-    for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
-        if getattr(t, name) <= 0:
-            raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr={t.lr} must be positive")
-    if t.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
-    if not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]")
-    if t.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"train.zero_stage={t.zero_stage} must be 0, 1, 2 or 3")
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-
-    d = cfg.data
-    if not 0 < d.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={d.val_fraction} must lie in (0, 1)")
-
-    c = cfg.checkpoint
-    if c.every <= 0 or c.keep <= 0:
-        raise ConfigError(f"checkpoint.every={c.every} and checkpoint.keep={c.keep} must be "
-                          f"positive")
-
-    i = cfg.inference
-    if i.max_new_tokens <= 0:
-        raise ConfigError(f"inference.max_new_tokens={i.max_new_tokens} must be positive")
-    if i.temperature < 0:
-        raise ConfigError(f"inference.temperature={i.temperature} must be >= 0 (0 is greedy)")
-    if i.top_k < 0:
-        raise ConfigError(f"inference.top_k={i.top_k} must be >= 0 (0 turns it off)")
-    if not 0 < i.top_p <= 1:
-        raise ConfigError(f"inference.top_p={i.top_p} must lie in (0, 1]")
-    if i.decode_chunk <= 0:
-        raise ConfigError(f"inference.decode_chunk={i.decode_chunk} must be positive")
-    if i.matmul_impl not in ("auto", "xla", "pallas_triton"):
-        raise ConfigError(f"inference.matmul_impl={i.matmul_impl!r} is unknown; choose "
-                          f"'auto', 'xla' or 'pallas_triton'")
-    speculative_options(cfg)  # raises on a bad inference.speculative
-
-
-SPECULATIVE_METHODS = ("none", "draft", "mtp")
-
-
-def speculative_options(cfg: Config) -> tuple[str, int, str | None]:
-    """(method, k, draft) of `inference.speculative`, checked, with defaults filled in:
-    k = 4 with a draft model, model.mtp_depth with MTP; `draft` is a run directory (or a
-    config whose train.run_dir holds checkpoints) of a model with the same vocabulary."""
-    spec = dict(cfg.inference.speculative)
-    for key in spec:
-        if key not in ("method", "k", "draft"):
-            raise ConfigError(f"unknown config key inference.speculative.{key}"
-                              + _did_you_mean(key, ("method", "k", "draft")))
-    method = spec.get("method", "none")
-    if method not in SPECULATIVE_METHODS:
-        raise ConfigError(f"inference.speculative.method={method!r} is unknown; choose one of "
-                          f"{SPECULATIVE_METHODS}")
-    depth = cfg.model.mtp_depth
-    if method == "mtp" and depth == 0:
-        raise ConfigError("inference.speculative.method='mtp' needs a model trained with MTP "
-                          "modules (model.mtp_depth >= 1); or use method 'draft'")
-    k = spec.get("k", depth if method == "mtp" else 4)
-    if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
-        raise ConfigError(f"inference.speculative.k={k!r} must be a positive integer "
-                          f"(drafted tokens per step)")
-    if method == "mtp" and k > depth:
-        raise ConfigError(f"inference.speculative.k={k} exceeds model.mtp_depth={depth}: "
-                          f"the MTP modules draft at most {depth} tokens; set k <= {depth}")
-    draft = spec.get("draft")
-    if method == "draft" and not draft:
-        raise ConfigError("inference.speculative.method='draft' needs a draft model: set "
-                          "inference.speculative.draft to its run directory or config")
-    if draft is not None and not isinstance(draft, str):
-        raise ConfigError(f"inference.speculative.draft={draft!r} must be a path (a run "
-                          f"directory or a config file)")
-    return method, k, draft

@@ -67,8 +67,7 @@ def main(argv=None) -> int:
             if getattr(args, name) is not None:
                 from dataclasses import replace
                 cfg = cfg.replace(inference=replace(cfg.inference, **{name: getattr(args, name)}))
-        from jaxllm.config import validate
-        validate(cfg)
+        cfg.check()  # across sections (each replaced section checked its own values)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ layers into our [L, ...] parameters, placing each on its sharding when given one
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import shutil
@@ -104,8 +105,8 @@ def _require(c: dict, key: str, allowed, default):
 
 
 def _rope(c: dict) -> tuple[float, dict | None]:
-    """(rope_theta, our rope_scaling) from either config.json form: `rope_theta` and
-    `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5)."""
+    """(rope_theta, our model.rope_scaling as a mapping) from either config.json form:
+    `rope_theta` and `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5)."""
     params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
@@ -179,7 +180,8 @@ def config_json(cfg: Config, bos_id: int | None = None, eos_id: int | None = Non
          "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
          "head_dim": m.resolved_head_dim, "hidden_act": "silu",
          "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
-         "rope_theta": m.rope_theta, "rope_scaling": m.rope_scaling,
+         "rope_theta": m.rope_theta,
+         "rope_scaling": dataclasses.asdict(m.rope_scaling) if m.rope_scaling else None,
          "tie_word_embeddings": m.tie_embeddings, "bos_token_id": bos_id,
          "eos_token_id": eos_id, "torch_dtype": m.param_dtype}
     if arch == "LlamaForCausalLM":

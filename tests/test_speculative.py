@@ -91,7 +91,7 @@ def test_verify_greedy_and_identical_distributions():
 
 def test_speculative_config_errors():
     ok = load_config(None, ["model.mtp_depth=2", "inference.speculative.method=mtp"])
-    assert ok.inference.speculative["method"] == "mtp"
+    assert ok.inference.speculative.method == "mtp"
     bad = {"is unknown": ["inference.speculative.method=medusa"],
            "positive integer": ["inference.speculative.method=draft",
                                 "inference.speculative.draft=runs/d", "inference.speculative.k=0"],

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.config import RopeScaling
 from jaxllm.sharding.constrain import constrain, gathered
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -84,20 +85,20 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling=None) -> jax.Array:
-    """Rotary inverse frequencies (D/2,). `scaling`: model.rope_scaling (a mapping or its
-    (key, value) pairs), or None."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None
+                     ) -> jax.Array:
+    """Rotary inverse frequencies (D/2,). `scaling`: model.rope_scaling, or None."""
     inv = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # (D/2,)
-    if not scaling:
+    if scaling is None:
         return inv
     # Llama 3.1 ("llama3"): wavelengths longer than original_len / low_freq_factor are
     # stretched by `factor`, those shorter than original_len / high_freq_factor kept, and
     # those between interpolated linearly in original_len / wavelength.
-    s = dict(scaling)
-    lo, hi = s["low_freq_factor"], s["high_freq_factor"]
+    lo, hi = scaling.low_freq_factor, scaling.high_freq_factor
     wavelength = 2 * jnp.pi / inv
-    keep = jnp.clip((s["original_max_position_embeddings"] / wavelength - lo) / (hi - lo), 0, 1)
-    return (1 - keep) * inv / s["factor"] + keep * inv
+    keep = jnp.clip((scaling.original_max_position_embeddings / wavelength - lo) / (hi - lo),
+                    0, 1)
+    return (1 - keep) * inv / scaling.factor + keep * inv
 
 
 def apply_rope(x, positions, theta: float, scaling=None):
