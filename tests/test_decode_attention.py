@@ -1,11 +1,11 @@
-"""The contiguous-cache decode kernel (`paged_triton.decode_attention`) against the einsum
-attention of the model's KV cache, in interpret mode on the CPU (on the GPU when present)."""
+"""`kernels.decode_attention` (its pallas_triton kernel, in interpret mode on the CPU, and
+its xla einsums) against the einsum attention over a contiguous cache."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kernels.pallas.paged_triton import decode_attention
+from jaxllm.kernels import decode_attention
 from jaxllm.kernels.xla import cached_attention
 
 
@@ -28,7 +28,7 @@ def test_decode_attention_matches_cached_attention(q_len, hkv, d, max_len, num_s
     positions = lengths[:, None] - q_len + jnp.arange(q_len)[None]
     with jax.default_matmul_precision("highest"):  # no TF32 in the reference on a GPU
         want = cached_attention(q, k, v, positions)
-    kw = dict(sm_scale=d**-0.5, num_splits=num_splits, block_k=32,
+    kw = dict(impl="pallas_triton", num_splits=num_splits, block_k=32,
               merge="kernel" if in_kernel else "xla")
     if in_kernel:  # counters given (as the model's q/k/v kernel writes them)
         kw["counters"] = jnp.zeros((b * hkv,), jnp.int32)
@@ -38,3 +38,18 @@ def test_decode_attention_matches_cached_attention(q_len, hkv, d, max_len, num_s
     k_bad = k.at[0, :, q_len:].set(jnp.nan)
     got_bad = decode_attention(q, k_bad, v, lengths, **kw)
     np.testing.assert_allclose(got_bad[0], want[0], atol=2e-5, rtol=2e-5)
+
+
+def test_xla_impl_and_auto():
+    """The einsums (they leave counters unused), and "auto" taking them on the CPU."""
+    b, s, hq, hkv, d, t = 2, 2, 4, 2, 16, 12
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (b, s, hq, d))
+    k, v = (jax.random.normal(x, (b, hkv, t, d)) for x in keys[1:])
+    lengths = jnp.array([2, 9], jnp.int32)
+    positions = lengths[:, None] - s + jnp.arange(s)[None]
+    want = cached_attention(q, k, v, positions)
+    got = decode_attention(q, k, v, lengths, impl="xla", counters=jnp.zeros(b * hkv, jnp.int32))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(decode_attention(q, k, v, lengths), got)

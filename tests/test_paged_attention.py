@@ -95,9 +95,22 @@ def test_stacked_layer_pool_reads_the_named_layer():
         paged_triton.paged_attention(q, k, v, tables, lens, layer=0, sm_scale=0.25)
 
 
-def test_bad_head_dim_raises():
+@pytest.mark.parametrize("impl", ["reference", "pallas_triton"])
+def test_facade_reads_a_layer_stack(impl):
+    q, k, v, tables, lens = _case(6, 8, 4, 2, [13, 30])
+    k0, v0 = jnp.nan_to_num(k), jnp.nan_to_num(v)
+    k_stack, v_stack = jnp.stack([k0, -k0]), jnp.stack([v0, v0 + 1])
+    out = paged_attention(q, k_stack, v_stack, tables, lens, layer=1, impl=impl)
+    want = reference.paged_attention(q, -k0, v0 + 1, tables, lens)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_what_the_kernel_cannot_take_raises():
     q, k, v, tables, lens = _case(0, 8, 2, 2, [5], d=24)
-    with pytest.raises(ValueError, match="powers of two"):
+    with pytest.raises(ValueError, match="head_dim=24 is not a power of two"):
+        paged_attention(q, k, v, tables, lens, impl="pallas_triton")
+    q, k, v, tables, lens = _case(0, 12, 2, 2, [5])
+    with pytest.raises(ValueError, match="page_size=12 is not a power of two"):
         paged_attention(q, k, v, tables, lens, impl="pallas_triton")
 
 

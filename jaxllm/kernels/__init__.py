@@ -1,126 +1,16 @@
-"""Attention kernels behind one interface each: `flash_attention`, `paged_attention` and
-`decode_attention` (a few new tokens over a contiguous KV cache).
+"""The kernels, one entry point per op: `flash_attention`, `paged_attention`,
+`decode_attention` (a few new tokens over a contiguous KV cache) and `decode_matmul` (a
+decode step's weight read with its norm, RoPE, cache write, SwiGLU or residual folded in).
 
-`impl` picks the implementation; "auto" takes the fastest correct one for the device.
-Pallas implementations live in `kernels/pallas/` and register themselves here lazily,
-so importing jaxllm never compiles or imports a backend the device cannot run.
+`impl` names the implementation; "auto" takes the fastest one that runs here and takes
+the inputs. Which implementations exist and what each supports is `registry.py`: `pick`,
+`names` and `available` are re-exported here, and nothing else chooses a kernel.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Callable
-
-import jax
 import jax.numpy as jnp
 
-from jaxllm.kernels import reference
-
-FLASH_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas_triton", "pallas_mosaic")
-PAGED_IMPLS = ("auto", "reference", "pallas_triton")
-DECODE_IMPLS = ("auto", "xla", "pallas_triton")
-
-# name -> "module:function"; resolved on first use. A module that fails to import, or a
-# backend the current device cannot run, makes the impl unavailable (with the reason).
-_FLASH_TABLE = {
-    "reference": "jaxllm.kernels.reference:flash_attention",
-    "xla": "jaxllm.kernels.xla:xla_attention",
-    "cudnn": "jaxllm.kernels.xla:cudnn_attention",
-    "pallas_triton": "jaxllm.kernels.pallas.flash_triton:flash_attention",
-    "pallas_mosaic": "jaxllm.kernels.pallas.flash_mosaic:flash_attention",
-}
-_PAGED_TABLE = {
-    "reference": "jaxllm.kernels.reference:paged_attention",
-    "pallas_triton": "jaxllm.kernels.pallas.paged_triton:paged_attention",
-}
-_DECODE_TABLE = {
-    "xla": "jaxllm.kernels.xla:decode_attention",  # einsums; XLA fuses the masking
-    "pallas_triton": "jaxllm.kernels.pallas.paged_triton:decode_attention",
-}
-
-
-def _platform() -> str:
-    return jax.default_backend()
-
-
-def _device_kind() -> str:
-    return jax.devices()[0].device_kind
-
-
-def _is_hopper_or_newer() -> bool:
-    if _platform() != "gpu":
-        return False
-    cc = getattr(jax.devices()[0], "compute_capability", "0")
-    try:
-        return float(cc) >= 9.0
-    except ValueError:
-        return False
-
-
-def _unavailable_reason(name: str) -> str | None:
-    """None when `name` can run here, else a short reason."""
-    platform = _platform()
-    if name == "cudnn" and platform != "gpu":
-        return f"needs an NVIDIA GPU (backend is {platform!r})"
-    if name == "pallas_mosaic" and platform == "gpu" and not _is_hopper_or_newer():
-        return f"needs a Hopper or newer GPU (device is {_device_kind()!r})"
-    if name.startswith("pallas") and platform not in ("gpu", "cpu"):
-        return f"needs a GPU or the CPU interpreter (backend is {platform!r})"
-    return None
-
-
-def _resolve(table: dict[str, str], name: str) -> tuple[Callable | None, str | None]:
-    why = _unavailable_reason(name)
-    if why:
-        return None, why
-    module, fn = table[name].split(":")
-    try:
-        return getattr(importlib.import_module(module), fn), None
-    except (ImportError, AttributeError) as e:
-        return None, f"not built ({type(e).__name__}: {e})"
-
-
-def _supports(fn, args) -> bool:
-    """Whether an implementation takes these inputs. A kernel module with a narrower
-    domain than the public API (e.g. pallas_mosaic: bf16/f16, D in {64, 128, 256};
-    cuDNN: bf16/f16) says so with `unsupported_reason(*args)`, on the function or its
-    module; `auto` then moves on to the next one."""
-    check = (getattr(fn, "unsupported_reason", None)  # a function's own, else its module's
-             or getattr(importlib.import_module(fn.__module__), "unsupported_reason", None))
-    return check is None or not args or check(*args) is None
-
-
-def available_flash_impls() -> list[str]:
-    return [n for n in _FLASH_TABLE if _resolve(_FLASH_TABLE, n)[0] is not None]
-
-
-def available_paged_impls() -> list[str]:
-    return [n for n in _PAGED_TABLE if _resolve(_PAGED_TABLE, n)[0] is not None]
-
-
-def _pick(table, name, valid, auto_order, args=()):
-    if name not in valid:
-        raise ValueError(f"unknown attention impl {name!r}; choose one of {list(valid)}")
-    if name == "auto":
-        for cand in auto_order():
-            fn, _ = _resolve(table, cand)
-            if fn is not None and _supports(fn, args):
-                return fn
-        name = "reference"
-    fn, why = _resolve(table, name)
-    if fn is None:
-        avail = [n for n in table if _resolve(table, n)[0] is not None]
-        raise ValueError(f"attention impl {name!r} is not available here: {why}; "
-                         f"available: {avail}")
-    return fn
-
-
-def _flash_auto_order() -> list[str]:
-    # The fastest correct implementation measured on the H200 first (docs/benchmarks.md:
-    # cuDNN leads our Triton kernel by ~1.3x); the reference on the CPU. pallas_mosaic
-    # goes first once it measures faster than cuDNN.
-    if _platform() == "gpu":
-        return ["cudnn", "pallas_mosaic", "pallas_triton", "xla"]
-    return ["reference"]
+from jaxllm.kernels.registry import available, names, pick
 
 
 def _check_flash_inputs(q, k, v):
@@ -154,12 +44,8 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     """
     _check_flash_inputs(q, k, v)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    fn = _pick(_FLASH_TABLE, impl, FLASH_IMPLS, _flash_auto_order, (q, k, v))
+    fn = pick("flash", impl, q, k, v).fn
     return fn(q, k, v, causal=causal, sm_scale=sm_scale, **kwargs)
-
-
-def _paged_auto_order() -> list[str]:
-    return [] if _platform() == "cpu" else ["pallas_triton"]
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: float | None = None,
@@ -171,12 +57,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     the layer to read in place; block_tables int32 [B, max_pages_per_seq]; lengths int32
     [B] (0 allowed: the output row is zeros).
     """
-    stacked = k_pages.ndim == 5
     if q.ndim != 3 or k_pages.ndim not in (4, 5) or k_pages.shape != v_pages.shape:
         raise ValueError(f"paged_attention wants q [B, Hq, D] and k/v pages [Hkv, P, page, D] "
                          f"(or [L, Hkv, P, page, D] with layer=); got q{q.shape} "
                          f"k{k_pages.shape} v{v_pages.shape}")
-    if stacked != (layer is not None):
+    if (k_pages.ndim == 5) != (layer is not None):
         raise ValueError(f"layer={layer!r} goes with k/v pages of rank 5 [L, Hkv, P, page, D], "
                          f"and only with them; got pages{k_pages.shape}")
     hkv = k_pages.shape[-4]
@@ -187,18 +72,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
         raise ValueError(f"block_tables must be [B, n] and lengths [B]; got "
                          f"{block_tables.shape} and {lengths.shape}")
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    fn = _pick(_PAGED_TABLE, impl, PAGED_IMPLS, _paged_auto_order)
-    if stacked and fn is reference.paged_attention:
-        k_pages, v_pages = k_pages[layer], v_pages[layer]
-    elif stacked:
-        kwargs["layer"] = layer
-    return fn(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, **kwargs)
-
-
-def _decode_auto_order() -> list[str]:
-    # on the GPU one kernel launch per layer instead of XLA's einsum / softmax / einsum
-    # chain (docs/benchmarks.md, decode); on the CPU the einsums
-    return ["pallas_triton", "xla"] if _platform() == "gpu" else ["xla"]
+    fn = pick("paged", impl, q, k_pages).fn
+    return fn(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, layer=layer,
+              **kwargs)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
@@ -207,10 +83,11 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = N
 
     q [B, S, Hq, D]: row b's S new tokens sit at positions lengths[b] - S .. lengths[b] - 1
     and are already written to the cache; query s sees keys 0 .. lengths[b] - S + s.
-    k_cache/v_cache [B, Hkv, T, D] (model.attention.KVCache's per-layer layout);
+    k_cache/v_cache [B, Hkv, T, D] (the contiguous cache's per-layer layout);
     lengths int32 [B], S <= lengths[b] <= T. -> [B, S, Hq, D].
-    counters: optional int32 zeros [B * Hkv] scratch; `pallas_triton` then merges a
-    context split over several programs inside its kernel (other impls ignore it).
+    counters: optional int32 zeros [B * Hkv] scratch (e.g. `decode_matmul`'s `zeros`);
+    `pallas_triton` then merges a context split over several programs inside its kernel
+    (the other impls have no splits and leave it unused).
     """
     if q.ndim != 4 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"decode_attention wants q [B, S, Hq, D] and k/v [B, Hkv, T, D]; got "
@@ -222,34 +99,54 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = N
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be [B]={b}; got {lengths.shape}")
     sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
-    fn = _pick(_DECODE_TABLE, impl, DECODE_IMPLS, _decode_auto_order, (q, k_cache))
-    if counters is not None and fn is _resolve(_DECODE_TABLE, "pallas_triton")[0]:
-        kwargs["counters"] = counters
-    return fn(q, k_cache, v_cache, lengths, sm_scale=sm_scale, **kwargs)
+    fn = pick("decode", impl, q, k_cache).fn
+    return fn(q, k_cache, v_cache, lengths, sm_scale=sm_scale, counters=counters, **kwargs)
 
 
-__all__ = ["flash_attention", "paged_attention", "decode_attention", "available_flash_impls",
-           "available_paged_impls", "FLASH_IMPLS", "PAGED_IMPLS", "DECODE_IMPLS"]
+_EPILOGUES = ("none", "glu", "qkv")
 
 
-# -- provisional: replaced by the kernel registry -----------------------------------------
-class _Picked:
-    def __init__(self, name, fn):
-        self.name, self.fn = name, fn
+def decode_matmul(x, w, *, norm_scale=None, eps: float | None = None, residual=None,
+                  epilogue: str = "none", positions=None, inv_freq=None, q_len: int = 1,
+                  q_heads: int = 0, k_cache=None, v_cache=None, zeros: int = 0,
+                  impl: str = "auto", **kwargs):
+    """out = epilogue(prologue(x) @ w^T) for the few rows x [M, K] of a decode step.
+
+    prologue: with `norm_scale` [K] and `eps`, x becomes rmsnorm(x) * norm_scale.
+    epilogue ("none", "glu" or "qkv"; weights out-major):
+      "none": w [N, K] -> [M, N], plus `residual` [M, N] if given;
+      "glu":  w [2, R, K] (gate, up) -> silu(x w[0]^T) * (x w[1]^T), [M, R];
+      "qkv":  w [Hq + 2 Hkv, D, K], q_heads = Hq -> (q [M, Hq, D], k_cache, v_cache):
+              RoPE (half-split) at `positions` [M] with `inv_freq` [D/2] on q and k; row
+              m = b * q_len + s is token s of cache row b, its k and v written into
+              k_cache / v_cache [B, Hkv, T, D] at positions[m]; with `zeros` = n > 0 also
+              int32 zeros [n] (the `counters` of the decode_attention that follows).
+    Extra keyword arguments (`pallas_triton`: tuning=GemvTuning(...), interpret) go to
+    the chosen implementation.
+    """
+    if epilogue not in _EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r}; choose one of {_EPILOGUES}")
+    if x.ndim != 2 or w.shape[-1] != x.shape[1]:
+        raise ValueError(f"decode_matmul wants x [M, K] and out-major w [..., K]; got "
+                         f"x{x.shape} w{w.shape}")
+    if (norm_scale is None) != (eps is None):
+        raise ValueError("decode_matmul: the norm prologue needs both norm_scale and eps")
+    if residual is not None and epilogue != "none":
+        raise ValueError(f"decode_matmul: a residual goes with epilogue 'none', not "
+                         f"{epilogue!r}")
+    if zeros and epilogue != "qkv":
+        raise ValueError(f"decode_matmul: zeros go with epilogue 'qkv', not {epilogue!r}")
+    if epilogue == "qkv" and any(a is None for a in (positions, inv_freq, k_cache, v_cache)):
+        raise ValueError("decode_matmul: epilogue 'qkv' needs positions, inv_freq, k_cache "
+                         "and v_cache")
+    if epilogue == "qkv" and (not 0 < q_heads < w.shape[0] or (w.shape[0] - q_heads) % 2):
+        raise ValueError(f"decode_matmul: a qkv weight of {w.shape[0]} heads does not split "
+                         f"into q_heads={q_heads} and two equal k and v parts")
+    fn = pick("matmul", impl, x, w, epilogue).fn
+    return fn(x, w, norm_scale=norm_scale, eps=eps, residual=residual, epilogue=epilogue,
+              positions=positions, inv_freq=inv_freq, q_len=q_len, q_heads=q_heads,
+              k_cache=k_cache, v_cache=v_cache, zeros=zeros, **kwargs)
 
 
-def pick(op, impl="auto", *args, need_lse=False):
-    if op != "matmul":
-        raise NotImplementedError(op)
-    from jaxllm.kernels.pallas import gemv_triton
-    if impl == "xla" or (impl == "auto" and _platform() != "gpu"):
-        return _Picked("xla", None)
-    why = gemv_triton.unsupported_reason(*args)
-    if why and impl == "pallas_triton":
-        raise ValueError(f"inference.matmul_impl=pallas_triton: {why}")
-    return _Picked("xla", None) if why else _Picked("pallas_triton", gemv_triton.decode_gemv)
-
-
-def decode_matmul(*args, **kwargs):
-    from jaxllm.kernels.pallas import gemv_triton
-    return gemv_triton.decode_gemv(*args, **kwargs)
+__all__ = ["flash_attention", "paged_attention", "decode_attention", "decode_matmul", "pick",
+           "names", "available"]

@@ -59,13 +59,17 @@ def gather_pages(pages, block_tables):
     return g.reshape(hkv, b, n * ps, d).transpose(1, 2, 0, 3)
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: float | None = None):
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: float | None = None,
+                    layer=None):
     """Single-token decode attention over a paged KV cache.
 
-    q [B, Hq, D]; k_pages/v_pages [Hkv, num_pages, page_size, D]; block_tables int32
-    [B, max_pages]; lengths int32 [B]. Sequence b attends to its first lengths[b] cached
-    tokens; a length of 0 gives zeros.
+    q [B, Hq, D]; k_pages/v_pages [Hkv, num_pages, page_size, D], or a layer stack
+    [L, Hkv, num_pages, page_size, D] with `layer` naming the one to read; block_tables
+    int32 [B, max_pages]; lengths int32 [B]. Sequence b attends to its first lengths[b]
+    cached tokens; a length of 0 gives zeros.
     """
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
     b, hq, d = q.shape
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
     k = gather_pages(k_pages, block_tables)
@@ -80,33 +84,45 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     return o.reshape(b, hq, d).astype(q.dtype)
 
 
+def rms_norm(x, scale, eps):
+    """x / rms(x) * scale in float32, returned in x's dtype (as model.layers.RMSNorm)."""
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return (h * scale.astype(jnp.float32)).astype(x.dtype)
+
 
 def decode_gemv(x, w, *, norm_scale=None, eps=None, residual=None, epilogue="none",
                 positions=None, inv_freq=None, q_len=1, q_heads=0, k_cache=None,
                 v_cache=None):
-    """`kernels.pallas.gemv_triton.decode_gemv`, step by step in float32 (the same
-    arguments and results; see there)."""
+    """`kernels.decode_matmul` step by step in float32 (the arguments and results of
+    `kernels.pallas.gemv_triton.decode_gemv`, without its `zeros`)."""
+    h = x if norm_scale is None else rms_norm(x, norm_scale, eps)
+    y = jnp.einsum("mk,...k->m...", h.astype(jnp.float32), w.astype(jnp.float32),
+                   precision=EXACT)
+    return gemv_epilogue(y, x.dtype, residual=residual, epilogue=epilogue,
+                         positions=positions, inv_freq=inv_freq, q_len=q_len,
+                         q_heads=q_heads, k_cache=k_cache, v_cache=v_cache)
+
+
+def gemv_epilogue(y, dtype, *, residual, epilogue, positions, inv_freq, q_len, q_heads,
+                  k_cache, v_cache):
+    """The epilogue of `decode_gemv` on the float32 product y [M, *outputs], in `dtype`."""
     f32 = jnp.float32
-    h = x.astype(f32)
-    if norm_scale is not None:
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-        h = (h * norm_scale.astype(f32)).astype(x.dtype).astype(f32)
-    y = jnp.einsum("mk,...k->m...", h, w.astype(f32), precision=EXACT)
     if epilogue == "none":
         if residual is not None:
             y = y + residual.astype(f32)
-        return y.astype(x.dtype)
+        return y.astype(dtype)
     if epilogue == "glu":
-        return (jax.nn.silu(y[:, 0]) * y[:, 1]).astype(x.dtype)
+        return (jax.nn.silu(y[:, 0]) * y[:, 1]).astype(dtype)
     # "qkv": y [M, H, D]
-    kv_heads = (w.shape[0] - q_heads) // 2
+    kv_heads = (y.shape[1] - q_heads) // 2
     angle = positions.astype(f32)[:, None, None] * inv_freq.astype(f32)  # [M, 1, D/2]
     a, b = jnp.split(y[:, :q_heads + kv_heads], 2, axis=-1)
     roped = jnp.concatenate([a * jnp.cos(angle) - b * jnp.sin(angle),
                              b * jnp.cos(angle) + a * jnp.sin(angle)], axis=-1)
     q, k = roped[:, :q_heads], roped[:, q_heads:]
     v = y[:, q_heads + kv_heads:]
-    rows = jnp.arange(x.shape[0]) // q_len
+    rows = jnp.arange(y.shape[0]) // q_len
     k_cache = k_cache.at[rows, :, positions].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype))
-    return q.astype(x.dtype), k_cache, v_cache
+    return q.astype(dtype), k_cache, v_cache

@@ -1,10 +1,11 @@
-"""Attention through XLA: plain einsums (`xla`) and cuDNN's fused kernel (`cudnn`)."""
+"""Kernels as XLA ops: attention as plain einsums (`xla`) or cuDNN's fused kernel
+(`cudnn`), and the fused decode matmul as einsums (`xla`)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jaxllm.kernels.reference import NEG_INF, causal_mask
+from jaxllm.kernels.reference import NEG_INF, causal_mask, gemv_epilogue, rms_norm
 
 
 def xla_attention(q, k, v, *, causal: bool, sm_scale: float):
@@ -29,15 +30,6 @@ def cudnn_attention(q, k, v, *, causal: bool, sm_scale: float):
                                             implementation="cudnn")
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
                                         implementation="cudnn")
-
-
-def _cudnn_unsupported_reason(q, *_) -> str | None:
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"cuDNN fused attention takes bf16 or f16, not {q.dtype}"
-    return None
-
-
-cudnn_attention.unsupported_reason = _cudnn_unsupported_reason  # `auto` skips it then
 
 
 def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None,
@@ -65,9 +57,24 @@ def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None
     return o.reshape(b, s, hq, d)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float):
+def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, counters=None):
     """The S new tokens of row b at positions lengths[b] - S .. lengths[b] - 1 over a
-    contiguous cache [B, Hkv, T, D] (see kernels.decode_attention), as einsums."""
+    contiguous cache [B, Hkv, T, D] (see kernels.decode_attention), as einsums.
+    `counters` go unused: there are no context splits to merge."""
     s = q.shape[1]
     positions = lengths[:, None] - s + jnp.arange(s)[None]
     return cached_attention(q, k_cache, v_cache, positions, sm_scale=sm_scale)
+
+
+def decode_gemv(x, w, *, norm_scale=None, eps=None, residual=None, epilogue="none",
+                positions=None, inv_freq=None, q_len=1, q_heads=0, k_cache=None,
+                v_cache=None, zeros: int = 0):
+    """`kernels.decode_matmul` as einsums: the product in x's dtype accumulated in float32,
+    the norm and the epilogue as the reference computes them (the arguments and results of
+    `kernels.pallas.gemv_triton.decode_gemv`, the `zeros` output included)."""
+    h = x if norm_scale is None else rms_norm(x, norm_scale, eps)
+    y = jnp.einsum("mk,...k->m...", h, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    out = gemv_epilogue(y, x.dtype, residual=residual, epilogue=epilogue, positions=positions,
+                        inv_freq=inv_freq, q_len=q_len, q_heads=q_heads, k_cache=k_cache,
+                        v_cache=v_cache)
+    return (*out, jnp.zeros((zeros,), jnp.int32)) if zeros else out

@@ -25,7 +25,6 @@ the reverse hop) and the kernels' own VJPs; the backward keeps each step's K/V b
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -33,31 +32,18 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ConfigError
-from jaxllm.kernels import available_flash_impls, flash_attention
+from jaxllm.kernels import flash_attention, pick
 from jaxllm.sharding.constrain import constrain, current
 
-# Kernels that return the log-sum-exp the merge needs. "xla" has no separate one: its
-# math is the reference's.
-_WITH_LSE = {
-    "reference": "jaxllm.kernels.reference:flash_attention_with_lse",
-    "xla": "jaxllm.kernels.reference:flash_attention_with_lse",
-    "pallas_triton": "jaxllm.kernels.pallas.flash_triton:flash_attention_with_lse",
-    "pallas_mosaic": "jaxllm.kernels.pallas.flash_mosaic:flash_attention_with_lse",
-}
 
-
-def attention_with_lse(impl: str):
-    """The `flash_attention_with_lse` of `impl` ("auto": the fastest one available here)."""
-    available = [n for n in available_flash_impls() if n in _WITH_LSE]
-    if impl == "auto":
-        order = ["pallas_mosaic", "pallas_triton"] if jax.default_backend() == "gpu" else []
-        impl = next((n for n in order if n in available), "reference")
-    if impl not in available:
+def attention_with_lse(impl: str, *inputs):
+    """The `flash_attention_with_lse` of `impl` ("auto": the registry's choice among those
+    that return the log-sum-exp, for `inputs` q, k, v when given)."""
+    try:
+        return pick("flash", impl, *inputs, need_lse=True).fn_with_lse
+    except ValueError as e:
         raise ConfigError(f"context parallelism needs an attention impl that returns the "
-                         f"log-sum-exp; model.attention_impl={impl!r} does not here. "
-                         f"Choose one of {available} (or 'auto')")
-    module, fn = _WITH_LSE[impl].split(":")
-    return getattr(importlib.import_module(module), fn)
+                          f"log-sum-exp; model.attention_impl={impl!r}: {e}") from None
 
 
 # ------------------------------------------------------------------ sequence order
@@ -125,7 +111,7 @@ def causal_attention(q, k, v, *, impl: str = "auto"):
     else:
         body = functools.partial(_local_attention, cp=cp, balanced=ctx.balanced,
                                  gather=ctx.cp_impl == "allgather",
-                                 attn=attention_with_lse(impl))
+                                 attn=attention_with_lse(impl, q, k, v))
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                          check_vma=False)(q, k, v)
 

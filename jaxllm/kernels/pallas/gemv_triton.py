@@ -2,9 +2,8 @@
 
 At batch 1 a decoder layer is four weight reads (q/k/v, output, gate/up, down) with a
 dozen small elementwise steps between them: norms, RoPE, KV-cache writes, SwiGLU,
-residual adds. Each step is its own kernel launch and costs 1-2 us, as much as reading
-megabytes of weights. These kernels do the weight read and fold the steps around it
-into the same program:
+residual adds, each a kernel launch of its own under XLA. These kernels do the weight
+read and fold the steps around it into the same program:
 
 - prologue: RMSNorm of the input rows. rmsnorm(x) * scale @ W = (x * scale @ W) / rms(x),
   so each program multiplies the input tiles by the norm scale as it streams them, sums
@@ -18,20 +17,20 @@ into the same program:
 
 Weights are out-major, [N, K] (each output's weights contiguous), so a program streams
 whole rows of its weight block with wide loads, and no split over K is needed to fill the
-GPU: one program per few outputs (gate/up pairs, rotary pairs; `TUNED`). With a handful
-of input rows (batch x new tokens) the products run on CUDA cores in float32, each
-program summing its partial products over K once at the end; with more, on tensor cores
-(the rows padded to the 16 they want inside the program). Rows past the real ones are
-never stored.
+GPU: one program per few outputs (gate/up pairs, rotary pairs; `GemvTuning`). With a
+handful of input rows (batch x new tokens) the products run on CUDA cores in float32,
+each program summing its partial products over K once at the end; with more, on tensor
+cores (the rows padded to the 16 they want inside the program). Rows past the real ones
+are never stored.
 
 On CUDA cores every tile is two-dimensional and stays in the register layout of its load
-(an input row [1, K step], a weight block [outputs, K step]); a product written as a 3-D
-broadcast [rows, outputs, K step] made Triton move each weight tile through shared memory
-to a second layout: without it the gate/up and q/k/v kernels take 31-40% less time on the
-H200.
+(an input row [1, K step], a weight block [outputs, K step]): a product written as a 3-D
+broadcast [rows, outputs, K step] makes Triton move each weight tile through shared memory
+to a second layout, which is slower (docs/experiments.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -42,20 +41,45 @@ from jax.experimental.pallas import triton as pltriton
 MAX_ROWS = 16  # decode has 1..16 rows (batch x new tokens)
 BLOCK_ROWS = 16  # outputs per program (per half for "glu" and "qkv") must divide by this
 EPILOGUES = ("none", "glu", "qkv")
-# Launch settings. Up to `fma_rows` rows the products run on CUDA cores: a program holds,
-# per row, [fma_block_rows, K step] float32 partial products per weight block (at most
-# `fma_elems` in all) and sums over K once at the end, loading `prefetch` steps ahead of
-# its products; more rows use tensor cores (tl.dot, 16 padded rows, 16 outputs per
-# program, K steps of `block_k`). fma_block_rows, fma_elems, num_warps and prefetch may be
-# given per epilogue ({"none": .., "glu": .., "qkv": ..}). The model
-# (Block._decode_fused) takes these kernels for calls of at most `model_rows` rows and
-# XLA's matmuls above: measured on the H200, XLA is level at 2 rows and well ahead at 4
-# (docs/benchmarks.md). `split_counters`: the model's q/k/v kernel also writes the zeroed
-# counters with which the decode-attention kernel after it merges its context splits
-# itself (paged_triton), instead of two XLA kernels doing the merge.
-TUNED = {"block_k": 512, "num_warps": {"none": 8, "glu": 4, "qkv": 4}, "num_stages": 3,
-         "fma_rows": 4, "fma_block_rows": 2, "fma_elems": 8192, "prefetch": 1, "model_rows": 1,
-         "split_counters": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvTuning:
+    """Launch settings of `decode_gemv`.
+
+    Up to `fma_rows` rows the products run on CUDA cores: a program holds, per row,
+    [fma_block_rows, K step] float32 partial products per weight block (at most
+    `fma_elems` in all), sums over K once at the end, and loads `prefetch` steps ahead of
+    its products. More rows use tensor cores (tl.dot, 16 padded rows, 16 outputs a
+    program, K steps of `block_k`). num_warps, fma_block_rows, fma_elems and prefetch are
+    one int, or a tuple of one per epilogue in the order of EPILOGUES.
+    """
+    block_k: int = 512
+    num_warps: int | tuple[int, ...] = (8, 4, 4)
+    num_stages: int = 3
+    fma_rows: int = 4
+    fma_block_rows: int | tuple[int, ...] = 2
+    fma_elems: int | tuple[int, ...] = 8192
+    prefetch: int | tuple[int, ...] = 1
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            values = value if isinstance(value, tuple) else (value,)
+            low = 0 if f.name in ("fma_rows", "prefetch") else 1
+            if isinstance(value, tuple) and len(value) != len(EPILOGUES):
+                raise ValueError(f"GemvTuning.{f.name}={value}: give one int or one per "
+                                 f"epilogue {EPILOGUES}")
+            if not all(isinstance(v, int) and v >= low for v in values):
+                raise ValueError(f"GemvTuning.{f.name}={value!r} must be ints >= {low}")
+
+    def of(self, name: str, epilogue: str) -> int:
+        """Setting `name` for `epilogue`."""
+        value = getattr(self, name)
+        return value[EPILOGUES.index(epilogue)] if isinstance(value, tuple) else value
+
+
+DEFAULT = GemvTuning()
 
 
 def _kernel(*refs, fma: bool, zeros: bool, **kw):
@@ -196,7 +220,7 @@ def _qkv_head(a, b, angle, p, q_heads: int, kv_heads: int):
 
 def _main_fma(*refs, pid, m: int, k: int, block_k: int, eps: float | None, epilogue: str,
               has_residual: bool, half: int, q_len: int, q_heads: int, kv_heads: int,
-              rb: int, **_):
+              rb: int, prefetch: int, **_):
     """CUDA-core products for a few rows (m static): every tile is 2-D, [1 or rb, block_k]
     in the layout of its load (so no layout conversion through shared memory), each row r
     accumulating x[r] * w over K in float32 and summing over K once at the end."""
@@ -226,7 +250,7 @@ def _main_fma(*refs, pid, m: int, k: int, block_k: int, eps: float | None, epilo
 
     carry = (tuple(tuple(jnp.zeros((rb, block_k), f32) for _ in starts) for _ in range(m)),
              tuple(jnp.zeros((1, block_k), f32) for _ in range(m)) if eps is not None else ())
-    ahead = min(_tuned("prefetch", epilogue), k_steps)  # steps loaded before their products
+    ahead = min(prefetch, k_steps)  # steps loaded before their products
     if ahead == 0:
         carry = jax.lax.fori_loop(0, k_steps, lambda i, c: fma(c, load(i)), carry)
     else:
@@ -272,12 +296,6 @@ def _main_fma(*refs, pid, m: int, k: int, block_k: int, eps: float | None, epilo
             pltriton.store(ref.at[r // q_len, hkv, pos, d_b], b.astype(ref.dtype), mask=sel)
 
 
-def _tuned(key: str, epilogue: str) -> int:
-    """A launch setting, given once or per epilogue ({"none": .., "glu": .., "qkv": ..})."""
-    v = TUNED[key]
-    return v[epilogue] if isinstance(v, dict) else v
-
-
 def _block_k(k: int, most: int = 512) -> int | None:
     """The largest power of two <= `most` dividing K, at least 16."""
     bk = 1 << (max(most, 1).bit_length() - 1)
@@ -304,16 +322,11 @@ def unsupported_reason(x, w, epilogue: str = "none") -> str | None:
 
 
 @functools.partial(jax.jit, static_argnames=("epilogue", "eps", "q_len", "q_heads", "zeros",
-                                             "fma",
-                                             "block_k", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "tuning", "interpret"))
 def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=None,
                 epilogue: str = "none", positions=None, inv_freq=None, q_len: int = 1,
                 q_heads: int = 0, k_cache=None, v_cache=None, zeros: int = 0,
-                fma: bool | None = None,
-                block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None,
-                interpret: bool | None = None):
+                tuning: GemvTuning = DEFAULT, interpret: bool | None = None):
     """out = epilogue(prologue(x) @ w^T) for x [M, K] with M <= 16, in x's dtype.
 
     prologue: with `norm_scale` [K] (and `eps`), x becomes rmsnorm(x) * norm_scale (as
@@ -329,11 +342,12 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
               with `zeros` = n > 0 also an int32 [n] of zeros (written by one program:
               the split counters of the decode-attention kernel that follows, without a
               fill kernel of their own).
-    fma (CUDA-core products rather than tensor cores), block_k, num_warps, num_stages:
-    default from `TUNED`.
+    tuning: the launch settings (`GemvTuning`); interpret: default on the CPU.
     """
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue={epilogue!r}; choose one of {EPILOGUES}")
+    if not isinstance(tuning, GemvTuning):
+        raise ValueError(f"tuning must be a gemv_triton.GemvTuning; got {type(tuning).__name__}")
     why = unsupported_reason(x, w, epilogue)
     if why:
         raise ValueError(f"decode_gemv: {why}")
@@ -346,15 +360,12 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     m, k = x.shape
-    fma = m <= TUNED["fma_rows"] if fma is None else fma
-    rb = _tuned("fma_block_rows", epilogue) if fma else BLOCK_ROWS
+    fma = m <= tuning.fma_rows
+    rb = tuning.of("fma_block_rows", epilogue) if fma else BLOCK_ROWS
     n_acc = 1 if epilogue == "none" else 2
-    most = _tuned("fma_elems", epilogue) // (m * rb * n_acc) if fma else TUNED["block_k"]
-    block_k = block_k or _block_k(k, max(16, most))
-    num_warps = num_warps or _tuned("num_warps", epilogue)
-    num_stages = num_stages or TUNED["num_stages"]
-    if k % block_k:
-        raise ValueError(f"decode_gemv: block_k={block_k} does not divide K={k}")
+    most = tuning.of("fma_elems", epilogue) // (m * rb * n_acc) if fma else tuning.block_k
+    block_k = _block_k(k, max(16, most))
+    num_warps = tuning.of("num_warps", epilogue)
     half, kv_heads = 0, 0
     if epilogue == "none":
         n_out = w.shape[0]
@@ -401,7 +412,8 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
     kernel = functools.partial(
         _kernel, m=m, k=k, block_k=block_k, eps=eps, epilogue=epilogue,
         has_residual=residual is not None, half=half, q_len=q_len, q_heads=q_heads,
-        kv_heads=kv_heads, rows_pad=MAX_ROWS, rb=rb, fma=fma, zeros=bool(zeros))
+        kv_heads=kv_heads, rows_pad=MAX_ROWS, rb=rb, fma=fma, zeros=bool(zeros),
+        prefetch=tuning.of("prefetch", epilogue))
     return pl.pallas_call(
         kernel,
         grid=(grid,),
@@ -409,7 +421,8 @@ def decode_gemv(x, w, *, norm_scale=None, eps: float | None = None, residual=Non
         out_specs=pl.no_block_spec if n_out == 1 else (pl.no_block_spec,) * n_out,
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps,
+                                                 num_stages=tuning.num_stages),
         interpret=interpret,
         name=(f"decode_gemv_{epilogue}{'_norm' if eps is not None else ''}"
               f"_{'fma' if fma else 'dot'}_bk{block_k}"),

@@ -159,12 +159,24 @@ def _merge_splits(out_ref, o_part_ref, lse_part_ref, cnt_ref, b, h, kv_heads: in
     cnt_ref[b * kv_heads + h] = jnp.zeros((), jnp.int32)
 
 
-def unsupported_reason(q, *_) -> str | None:
-    """Why the kernel cannot take q (None if it can); `auto` then picks another impl."""
+def decode_unsupported_reason(q, k_cache) -> str | None:
+    """Why `decode_attention` cannot take q [B, S, Hq, D] over a cache [B, Hkv, T, D]
+    (None if it can); the registry's "auto" then picks another impl."""
     d = q.shape[-1]
-    if d & (d - 1) or d < 16:
-        return f"head_dim={d} is not a power of two >= 16"
+    if d & (d - 1):
+        return f"head_dim={d} is not a power of two"
+    if d < _MIN_ROWS and jax.default_backend() == "gpu":  # tl.dot's least K (compiled only)
+        return f"head_dim={d} is below {_MIN_ROWS}"
     return None
+
+
+def unsupported_reason(q, k_pages) -> str | None:
+    """Why `paged_attention` cannot take q [B, Hq, D] over pages [(L,) Hkv, P, page, D]
+    (None if it can)."""
+    page_size = k_pages.shape[-2]
+    if page_size & (page_size - 1):
+        return f"page_size={page_size} is not a power of two"
+    return decode_unsupported_reason(q, None)
 
 
 def _sm_count() -> int:
@@ -177,8 +189,7 @@ def _sm_count() -> int:
 def _pick_splits(batch: int, kv_heads: int, n_steps_total: int) -> int:
     """Splits along the context per (sequence, kv head): enough programs to fill the GPU
     a few times over, down to one step each, so that a small batch costs one program's
-    latency rather than a chain of steps (batch-1 decoding in the model: 6.8 -> 4.5 us a
-    layer on the H200)."""
+    latency rather than a chain of steps (docs/performance.md, decode)."""
     want = pl.cdiv(4 * _sm_count(), batch * kv_heads)
     return max(1, min(want, n_steps_total))
 
@@ -296,7 +307,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     k/v pages may also be a whole layer stack [L, Hkv, P, page, D] with `layer` in [0, L)
     (an int or a traced int32 scalar, e.g. the index inside a scan over layers): the kernel
     reads that layer in place, so no per-layer slice of the pool is ever copied.
-    block_k: tokens per inner step (a multiple of the page size, default ~128);
+    block_k: tokens per inner step (a multiple of the page size; default the larger of
+    128 and the page size);
     num_splits: programs per (sequence, kv head) along the context (default: fill the GPU).
     merge: "kernel" (default; the last split merges, counting in int32 zero `counters`
     [B * Hkv], filled here unless given) or "xla" (see `decode_attention`).
@@ -338,7 +350,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float,
 
     q [B, S, Hq, D]: the S new tokens of row b sit at positions lengths[b] - S ..
     lengths[b] - 1, and query s sees cache keys 0 .. lengths[b] - S + s (causal).
-    k/v cache [B, Hkv, T, D] (the layout of model.attention.KVCache). -> [B, S, Hq, D].
+    k/v cache [B, Hkv, T, D] (the contiguous cache's per-layer layout). -> [B, S, Hq, D].
     The same kernel as `paged_attention`, each row's blocks being its own consecutive
     tokens; the S x group queries of a kv head share every K/V read.
     merge: a context split over several programs is merged by the last split to finish
@@ -347,7 +359,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float,
     `counters` [B * Hkv] that must start at zero: filled here unless given, e.g. by the
     kernel before (`gemv_triton.decode_gemv`'s `zeros`, which saves the fill's launch);
     the kernel leaves them zero again. "auto" keeps the XLA merge where no counters come
-    in (the batch-32 model step, measured with it; docs/benchmarks.md).
+    in, as measured in the model's decode step (docs/performance.md).
     """
     batch, q_len, hq, head_dim = q.shape
     _, kv_heads, max_len, _ = k_cache.shape
