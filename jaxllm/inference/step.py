@@ -7,7 +7,8 @@ the per-layer weights) and writes their K/V into the cache (inference/cache.py).
 (every row from position 0) attends over the new tokens alone with the flash kernel;
 decoding and speculative verification attend over the cache. Which kernel runs is the
 kernel registry's pick (`jaxllm.kernels`); steps of at most `params.fused_rows` rows over
-a contiguous cache run each layer in the fused decode matmuls instead of XLA's.
+a contiguous cache run each layer in the fused decode matmuls (their `pallas_triton`
+implementation, picked once by `decode_params`) instead of XLA's.
 """
 from __future__ import annotations
 
@@ -110,13 +111,14 @@ def _fused_block(cfg, lp: LayerParams, x, positions, cache: ContiguousCache, lay
         x2, lp.qkv, norm_scale=lp.attn_norm, eps=cfg.norm_eps, epilogue="qkv",
         positions=positions.reshape(b * s),
         inv_freq=rope_frequencies(hd, cfg.rope_theta, cfg.rope_scaling), q_len=s, q_heads=hq,
-        k_cache=cache.k[layer], v_cache=cache.v[layer], zeros=b * hkv)
+        k_cache=cache.k[layer], v_cache=cache.v[layer], zeros=b * hkv, impl="pallas_triton")
     cache = cache.with_layer(layer, k_cache, v_cache)
     o = cache.attend(layer, q.reshape(b, s, hq, hd), positions, window=cfg.sliding_window,
                      impl=cfg.decode_impl, counters=counters)
-    x2 = decode_matmul(o.reshape(b * s, -1), lp.o, residual=x2)
-    h = decode_matmul(x2, lp.gate_up, epilogue="glu", norm_scale=lp.mlp_norm, eps=cfg.norm_eps)
-    x2 = decode_matmul(h, lp.down, residual=x2)
+    x2 = decode_matmul(o.reshape(b * s, -1), lp.o, residual=x2, impl="pallas_triton")
+    h = decode_matmul(x2, lp.gate_up, epilogue="glu", norm_scale=lp.mlp_norm, eps=cfg.norm_eps,
+                      impl="pallas_triton")
+    x2 = decode_matmul(h, lp.down, residual=x2, impl="pallas_triton")
     return x2.reshape(b, s, d), cache
 
 
