@@ -52,7 +52,7 @@ SAME_TOKENS = 16
 
 
 def step_bytes(cfg, batch: int, ctx: float) -> float:
-    """Bytes one decode step must read: the weights but the embedding table, the output
+    """Bytes one decode step must read: every weight except the embedding table, the output
     head, and the K/V of `batch` rows of `ctx` tokens, in the compute dtype."""
     m = cfg.model
     weights = m.num_params(embeddings=False) + m.vocab_size * m.d_model
@@ -76,7 +76,7 @@ def measure(params: dict, cfg, batch: int, args) -> list[dict]:
             return runs[impl][-1][1]["tpot_s"]
         return once
     tpot = interleaved({impl: timer(impl) for impl in params}, args.rounds)
-    floor = step_bytes(cfg, batch, args.prompt_len + args.new_tokens / 2)
+    nbytes = step_bytes(cfg, batch, args.prompt_len + args.new_tokens / 2)
     want = [row[:SAME_TOKENS] for row in runs["xla"][-1][0]]
     rows = []
     for impl, ts in tpot.items():
@@ -85,7 +85,7 @@ def measure(params: dict, cfg, batch: int, args) -> list[dict]:
         rows.append({"batch": batch, "matmul_impl": impl,
                      "TTFT ms": 1e3 * statistics.median(r[1]["ttft_s"] for r in runs[impl]),
                      "TPOT ms": 1e3 * t, "tokens/s": batch / t,
-                     "% roofline": roofline_pct(floor, t), "x xla": speedup(tpot["xla"], ts),
+                     "% roofline": roofline_pct(nbytes, t), "x xla": speedup(tpot["xla"], ts),
                      "same": f"{sum(a[:SAME_TOKENS] == b for a, b in zip(ids, want))}/{batch}",
                      "compile s": compile_s[impl]})
         print(rows[-1], flush=True)

@@ -54,7 +54,7 @@ QUICK = dict(model=["model.d_model=64", "model.n_layers=1", "model.n_heads=2",
                     "model.remat=none"],
              train=["train.batch_size=8", "train.seq_len=64", "train.lr=3e-3",
                     "train.warmup_steps=2", "train.log_every=5", "train.eval_batches=1"],
-             steps=10, batches="2", prompt_len=16, new_tokens=16)
+             steps=10, batches="1", prompt_len=16, new_tokens=16)
 
 
 def train_model(sizes: dict, steps: int, run_dir: str | None = None):
@@ -157,12 +157,12 @@ def main():
     table = []
     for r in rows:
         name = f"MTP k={r['k']}" if r["k"] else "plain"
-        rates = r["acceptance_rate_per_position"]
+        rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_position"] or [])
         table.append({"batch": r["batch"],
                       "decoding": name + (f" (T={r['temperature']})" if r["temperature"] else ""),
                       "tokens/s": r["tokens_per_s"], "speed-up": f"{r['speedup']:.2f}x",
                       "tokens/step": r["acceptance_length"],
-                      "accepted by position": " ".join(f"{x:.2f}" for x in rates) if rates else None,
+                      "accepted by position": rates or None,
                       "same as plain": None if r["same"] is None else f"{r['same']}/{r['batch']}"})
     print_table(table, title=(
         f"model {info['params_M']:.1f}M parameters, mtp_depth {depth}, {info['steps']} steps in "

@@ -43,7 +43,7 @@ def bench(config: str, overrides: list[str], steps: int, log_every: int) -> dict
     t, m = cfg.train, cfg.model
     return {"attention": m.attention_impl, "remat": m.remat, "batch": t.batch_size,
             "seq_len": t.seq_len, "steps": recs[-1]["step"],
-            "loss": f"{recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}",
+            "loss first": recs[0]["loss"], "loss last": recs[-1]["loss"],
             "step ms": 1e3 * t.batch_size * t.seq_len / tps, "tokens/s": tps,
             "MFU %": 100 * tps * m.flops_per_token(t.seq_len) / peak if peak else None}
 
