@@ -4,17 +4,19 @@
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/paged_attention.py --quick   # smoke test
 
 One query token per sequence over `ctx` cached tokens (B 8 / 32 / 128, ctx 4096, GQA 32/8,
-D 128, bf16), pages of 16 tokens scattered over the pool (a random permutation). Compared
-in one run: ours (`kernels.paged_attention`, impl "pallas_triton"), JAX's Pallas
-paged_attention on the same pages and tables, cuDNN and XLA attention on a contiguous
-cache [B, ctx, Hkv, D], and a read-only anchor: an XLA max-reduce over as many bytes as
-the K/V (what a plain read of that size reaches on this device).
+D 128, bf16), pages of 16 tokens scattered over the pool (a random permutation), and one
+row of ragged lengths (B 32, 1..ctx). Compared in one run: ours (`kernels.paged_attention`,
+impl "pallas_triton"), JAX's Pallas paged_attention on the same pages and tables, cuDNN
+and XLA attention on a contiguous cache [B, ctx, Hkv, D] (full lengths only), and two
+anchors: a read-only XLA max-reduce over as many bytes as the K/V (what a plain read of
+that size reaches), and the device's HBM copy (read + write) and read-only bandwidth over
+2 GiB.
 
-The figure is TB/s of K/V read (B x ctx x Hkv x D x 2 x itemsize bytes / time) and its
-share of the datasheet HBM bandwidth. One executable runs `unroll` calls back to back on
-rotating inputs (>= 300 MB in rotation where 8 sets reach it, so L2 holds none of them),
-timed with `time_fn` and divided by `unroll`; the implementations of a shape are timed
-in interleaved rounds (x cuDNN: the median per-round ratio). Every implementation is
+The figure is TB/s of K/V read (sum of lengths x Hkv x D x 2 x itemsize bytes / time) and
+its share of the datasheet HBM bandwidth. One executable runs `unroll` calls back to back
+on rotating inputs (>= 300 MB in rotation where 8 sets reach it, so L2 holds none of
+them), timed with `time_fn` and divided by `unroll`; the implementations of a shape are
+timed in interleaved rounds (x cuDNN: the median per-round ratio). Every implementation is
 first checked against the jnp reference; the table's `check` column says how it went.
 """
 from __future__ import annotations
@@ -33,10 +35,13 @@ from benchmarks.common import (add_args, interleaved, print_table, roofline_pct,
 from jaxllm.kernels import paged_attention, reference
 from jaxllm.kernels.xla import xla_attention
 
-FULL = dict(hq=32, hkv=8, d=128, page=16, ctx=4096, batches=(8, 32, 128), unroll=None)
-QUICK = dict(hq=8, hkv=2, d=64, page=16, ctx=256, batches=(2,), unroll=1)
+FULL = dict(hq=32, hkv=8, d=128, page=16, ctx=4096, batches=(8, 32, 128), ragged_batch=32,
+            device_elems=1 << 30, unroll=None)
+QUICK = dict(hq=8, hkv=2, d=64, page=16, ctx=256, batches=(2,), ragged_batch=2,
+             device_elems=1 << 20, unroll=1)
 DTYPE = jnp.bfloat16
-IMPLS = ("ours", "jax pallas paged", "cudnn contiguous", "xla contiguous", "read-only")
+IMPLS = ("ours", "jax pallas paged", "cudnn contiguous", "xla contiguous",
+         "read-only, same bytes")
 PAGED = ("ours", "jax pallas paged")
 
 
@@ -131,10 +136,28 @@ def timer(fn, slot, unroll: int):
     return lambda: time_fn(run, sets) / unroll
 
 
-def measure(b: int, shape: dict, rounds: int, checks: dict) -> list[dict]:
-    """Rows of one batch size: every implementation, timed in interleaved rounds."""
+def device_rows(shape: dict, rounds: int) -> list[dict]:
+    """The HBM copy (read + write) and read-only bandwidth over `device_elems` elements."""
+    x = jax.random.normal(jax.random.key(0), (shape["device_elems"],), DTYPE)
+    c = jnp.asarray(1, DTYPE)
+    nbytes = x.size * x.dtype.itemsize
+    copy, read = jax.jit(lambda a, c: a + c), jax.jit(lambda a, c: jnp.max(a + c))
+    samples = interleaved({"HBM copy": lambda: time_fn(copy, x, c) / 2,  # reads and writes
+                           "HBM read-only": lambda: time_fn(read, x, c)}, rounds)
+    size = f"{nbytes / 2**30:g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:g} MiB"
+    return [{"impl": f"{name}, {size}", "TB/s": nbytes / statistics.median(ts) / 1e12,
+             "% HBM": roofline_pct(nbytes, statistics.median(ts))}
+            for name, ts in samples.items()]
+
+
+def measure(b: int, shape: dict, rounds: int, checks: dict, ragged: bool = False) -> list[dict]:
+    """Rows of one batch size: every implementation, timed in interleaved rounds; with
+    `ragged`, lengths drawn from 1..ctx and the paged implementations only."""
     hq, hkv, d, page, ctx = (shape[k] for k in ("hq", "hkv", "d", "page", "ctx"))
-    kv_bytes = b * ctx * hkv * d * 2 * jnp.dtype(DTYPE).itemsize
+    lengths = np.full(b, ctx)
+    if ragged:
+        lengths = np.random.default_rng(b).integers(1, ctx + 1, b)
+    kv_bytes = int(lengths.sum()) * hkv * d * 2 * jnp.dtype(DTYPE).itemsize
     n_rot = int(min(8, max(1, math.ceil(300e6 / kv_bytes))))
     # calls per executable: ~3 ms of work at ~3.5 TB/s, 4 to 32
     unroll = shape["unroll"] or int(min(32, max(4, math.ceil(3e-3 / (kv_bytes / 3.5e12)))))
@@ -149,26 +172,12 @@ def measure(b: int, shape: dict, rounds: int, checks: dict) -> list[dict]:
     v_pages = jax.random.normal(kv, (hkv, num_pages, page, d), DTYPE)
     perm = np.random.default_rng(b).permutation(num_pages).astype(np.int32)
     tables = [jnp.asarray(perm[r * b * n:(r + 1) * b * n].reshape(b, n)) for r in range(n_rot)]
-    lengths = jnp.full((b,), ctx, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
     paged = lambda u: (q(u), k_pages, v_pages, tables[u % n_rot], lengths)  # noqa: E731
 
-    cache = [(jax.random.normal(jax.random.fold_in(kk, r), (b, ctx, hkv, d), DTYPE),
-              jax.random.normal(jax.random.fold_in(kv, r), (b, ctx, hkv, d), DTYPE))
-             for r in range(n_rot)]
-    contiguous = lambda u: (q(u, 1), *cache[u % n_rot])  # noqa: E731
-
-    # the read-only anchor: arrays of at most 2^30 elements, as many bytes as the K/V
-    n_el = kv_bytes // jnp.dtype(DTYPE).itemsize
-    flat = [[jax.random.normal(jax.random.fold_in(kk, 64 * r + i), (min(1 << 30, n_el - s),),
-                               DTYPE) for i, s in enumerate(range(0, n_el, 1 << 30))]
-            for r in range(n_rot)]
-    read = lambda xs, c: functools.reduce(jnp.maximum, [jnp.max(x + c) for x in xs])  # noqa: E731
-
-    jobs = {"ours": (ours, paged), "jax pallas paged": (jax_paged, paged),
-            "xla contiguous": (xla, contiguous),
-            "read-only": (read, lambda u: (flat[u % n_rot], jnp.asarray(u + 1, DTYPE)))}
-    if on_gpu():
-        jobs["cudnn contiguous"] = (cudnn, contiguous)
+    jobs = {"ours": (ours, paged), "jax pallas paged": (jax_paged, paged)}
+    if not ragged:
+        jobs.update(contiguous_jobs(b, shape, n_rot, kk, kv, q))
 
     def failed(name, e):  # one failing implementation must not sink the rest
         print(f"  B={b} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -185,12 +194,34 @@ def measure(b: int, shape: dict, rounds: int, checks: dict) -> list[dict]:
     rows = []
     for name, ts in samples.items():
         t = statistics.median(ts)
-        rows.append({"B": b, "ctx": ctx, "page": page if name in PAGED else None,
+        rows.append({"B": b, "ctx": "ragged" if ragged else ctx,
+                     "page": page if name in PAGED else None,
                      "impl": name, "us": 1e6 * t, "TB/s": kv_bytes / t / 1e12,
                      "% HBM": roofline_pct(kv_bytes, t),
                      "x cuDNN": speedup(ref, ts) if ref else None,
                      "check": checks.get(name)})
     return rows
+
+
+def contiguous_jobs(b: int, shape: dict, n_rot: int, kk, kv, q) -> dict:
+    """cuDNN (on a GPU) and XLA on contiguous caches, and the read-only anchor over as
+    many bytes as the K/V (arrays of at most 2^30 elements)."""
+    hkv, d, ctx = shape["hkv"], shape["d"], shape["ctx"]
+    cache = [(jax.random.normal(jax.random.fold_in(kk, r), (b, ctx, hkv, d), DTYPE),
+              jax.random.normal(jax.random.fold_in(kv, r), (b, ctx, hkv, d), DTYPE))
+             for r in range(n_rot)]
+    contiguous = lambda u: (q(u, 1), *cache[u % n_rot])  # noqa: E731
+    n_el = 2 * b * ctx * hkv * d
+    flat = [[jax.random.normal(jax.random.fold_in(kk, 64 * r + i), (min(1 << 30, n_el - s),),
+                               DTYPE) for i, s in enumerate(range(0, n_el, 1 << 30))]
+            for r in range(n_rot)]
+    read = lambda xs, c: functools.reduce(jnp.maximum, [jnp.max(x + c) for x in xs])  # noqa: E731
+    jobs = {"xla contiguous": (xla, contiguous),
+            "read-only, same bytes": (read, lambda u: (flat[u % n_rot],
+                                                       jnp.asarray(u + 1, DTYPE)))}
+    if on_gpu():
+        jobs["cudnn contiguous"] = (cudnn, contiguous)
+    return jobs
 
 
 def main(argv=None) -> list[dict]:
@@ -202,11 +233,13 @@ def main(argv=None) -> list[dict]:
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; GQA {shape['hq']}/"
           f"{shape['hkv']}, D {shape['d']}, ctx {shape['ctx']}, page {shape['page']}", flush=True)
     checks = check_all(shape)
-    rows = []
+    rows = device_rows(shape, args.rounds)
     for b in shape["batches"]:
         rows += measure(b, shape, args.rounds, checks)
-    write_json(args.json, rows, shape={k: v for k, v in shape.items() if k != "unroll"})
-    print_table(rows, title=f"paged decode attention, {args.rounds} interleaved rounds "
+    rows += measure(shape["ragged_batch"], shape, args.rounds, checks, ragged=True)
+    write_json(args.json, rows, shape=shape)
+    print_table(rows, ["B", "ctx", "page", "impl", "us", "TB/s", "% HBM", "x cuDNN", "check"],
+                title=f"paged decode attention, {args.rounds} interleaved rounds "
                             "(TB/s of K/V read)")
     return rows
 
