@@ -7,6 +7,9 @@ alike; a figure is the median over rounds, and a ratio between two implementatio
 median of their per-round ratios (steadier than a ratio of two separate timings).
 
     from benchmarks.common import add_args, interleaved, meta, print_table, speedup, time_fn, write_json
+
+Memory-bound work (decoding) is also read against the device's datasheet HBM bandwidth:
+`hbm_bandwidth()`, and `roofline_pct(bytes, seconds)` for the share of it a step reaches.
 """
 from __future__ import annotations
 
@@ -65,21 +68,44 @@ def speedup(ref_times, times) -> float:
     return statistics.median(r / t for r, t in zip(ref_times, times))
 
 
+# Datasheet HBM bandwidth in bytes/s, by a name found in jax's device_kind.
+HBM_DATASHEET = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+def hbm_bandwidth() -> float | None:
+    """The datasheet HBM bandwidth of device 0 in bytes/s; None when unknown (e.g. the CPU)."""
+    kind = jax.devices()[0].device_kind
+    return next((bw for name, bw in HBM_DATASHEET.items() if name in kind), None)
+
+
+def roofline_pct(nbytes: float, seconds: float) -> float | None:
+    """100 x (time to move `nbytes` at the datasheet bandwidth) / seconds; None when the
+    bandwidth is unknown."""
+    bw = hbm_bandwidth()
+    return 100 * nbytes / bw / seconds if bw else None
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
     return "-" if v is None else str(v)
 
 
-def print_table(rows: list[dict], columns: list[str] | None = None, title: str | None = None):
-    """rows as a plain-text table; `columns` picks and orders the keys (default: all, in
-    first-seen order). Missing values print as '-'."""
+def print_table(rows: list[dict], columns: list[str] | None = None, title: str | None = None,
+                markdown: bool = False):
+    """rows as a plain-text table, or a Markdown one (unpadded, to paste into the docs);
+    `columns` picks and orders the keys (default: all, in first-seen order). Missing values
+    print as '-'."""
     if columns is None:
         columns = list(dict.fromkeys(k for r in rows for k in r))
     cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     if title:
         print(f"\n{title}")
+    if markdown:
+        for line in [columns, ["---"] * len(columns)] + cells:
+            print("| " + " | ".join(line) + " |")
+        return
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     print("  ".join("-" * w for w in widths))
     for row in cells:
@@ -104,10 +130,12 @@ def meta() -> dict:
             "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
 
 
-def add_args(parser: argparse.ArgumentParser, rounds: int = 5) -> argparse.ArgumentParser:
-    """The options every benchmark takes: --rounds and --json."""
-    parser.add_argument("--rounds", type=int, default=rounds,
-                        help="interleaved timing rounds (median reported)")
+def add_args(parser: argparse.ArgumentParser, rounds: int | None = 5) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --rounds (unless rounds is None: a benchmark that
+    times one run of each case) and --json."""
+    if rounds is not None:
+        parser.add_argument("--rounds", type=int, default=rounds,
+                            help="interleaved timing rounds (median reported)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and metadata here")
     return parser
 

@@ -3,16 +3,18 @@
 Trains a ~300M-parameter byte-level model with multi-token-prediction modules (d 1024,
 24 layers, 16 heads, mlp 2816, mtp_depth 3) for a few minutes on the embedded corpus
 with the real trainer, then decodes held-out prompts with plain decoding
-(`decode.generate_ids`) and with MTP speculative decoding
+(`generate.generate_ids`) and with MTP speculative decoding
 (`speculative.speculative_generate_ids`, k = 1..mtp_depth drafts per step), greedy, at
-batch 1, 8 and 32, plus one sampled row (temperature 0.8) at batch 1.
+batch 1, 8 and 32, plus one sampled row (temperature 0.8, k = mtp_depth) at batch 1.
 
-tokens/s = generated tokens of all rows / wall time of prefill + decoding (compilation
-excluded; median of --repeats runs), the same measure for both paths. `same` counts the
-rows whose greedy speculative output equals plain decoding token for token (in bf16 a
-near-tie can resolve differently in a (k+1)-token verify than in a 1-token step).
+tokens/s = generated tokens of all rows / wall time of prefill + decoding, the same
+measure for both paths; every way of a (batch, temperature) is compiled first, then timed
+in interleaved rounds (tokens/s: the median over rounds; speed-up: the median per-round
+ratio to plain). `same` counts the rows whose greedy speculative output equals plain
+decoding token for token (in bf16 a near-tie can resolve differently in a (k+1)-token
+verify than in a 1-token step).
 
-    PYTHONPATH=. python benchmarks/speculative.py                  # the GPU run
+    PYTHONPATH=. python benchmarks/speculative.py [--rounds 3] [--json PATH]   # the GPU run
     # or train once, then decode different batches on two GPUs at the same time:
     PYTHONPATH=. python benchmarks/speculative.py --run-dir R --train-only
     CUDA_VISIBLE_DEVICES=0 PYTHONPATH=. python benchmarks/speculative.py --run-dir R --batches 1
@@ -31,12 +33,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from benchmarks.common import add_args, interleaved, print_table, speedup, write_json
+from jaxllm.checkpoint import load_model
 from jaxllm.config import load_config
-from jaxllm.inference.decode import generate_ids, inference_params
+from jaxllm.inference.generate import generate_ids
+from jaxllm.inference.params import decode_params
 from jaxllm.inference.speculative import speculative_generate_ids
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.train import data as data_lib
-from jaxllm.train.checkpoint import load_model
 from jaxllm.train.trainer import train
 
 FULL = dict(model=["model.d_model=1024", "model.n_layers=24", "model.n_heads=16",
@@ -45,12 +49,12 @@ FULL = dict(model=["model.d_model=1024", "model.n_layers=24", "model.n_heads=16"
             train=["train.batch_size=32", "train.seq_len=512", "train.lr=6e-4",
                    "train.warmup_steps=100", "train.log_every=50"],
             steps=1200, batches="1,8,32", prompt_len=128, new_tokens=256)
-QUICK = dict(model=["model.d_model=64", "model.n_layers=2", "model.n_heads=2",
-                    "model.n_kv_heads=2", "model.mlp_dim=128", "model.mtp_depth=2",
+QUICK = dict(model=["model.d_model=64", "model.n_layers=1", "model.n_heads=2",
+                    "model.n_kv_heads=2", "model.mlp_dim=128", "model.mtp_depth=1",
                     "model.remat=none"],
              train=["train.batch_size=8", "train.seq_len=64", "train.lr=3e-3",
-                    "train.warmup_steps=5", "train.log_every=10"],
-             steps=40, batches="1,2", prompt_len=16, new_tokens=32)
+                    "train.warmup_steps=2", "train.log_every=5", "train.eval_batches=1"],
+             steps=10, batches="1", prompt_len=16, new_tokens=16)
 
 
 def train_model(sizes: dict, steps: int, run_dir: str | None = None):
@@ -80,32 +84,36 @@ def held_out_prompts(cfg, batch: int, length: int, seed: int = 0) -> list[list[i
     return [np.asarray(val[s:s + length]).astype(int).tolist() for s in starts]
 
 
-def timed(fn, repeats: int):
-    """(ids, timings of the median run); the first call compiles (warmup) too."""
-    runs = [fn(warmup=(i == 0)) for i in range(repeats)]
-    tps = [t["tokens_per_s"] for _, t in runs]
-    ids, t = runs[tps.index(statistics.median_low(tps))]
-    return ids, t
+def compare(ways: dict, rounds: int) -> dict:
+    """ways: name -> a function generating once, returning (ids, timings). Each is run
+    once (compilation), then all in interleaved rounds. -> name -> (ids of the last
+    round, timings of the last round, seconds per generated token per round)."""
+    last = {}
+
+    def timer(name):
+        def once():
+            last[name] = ways[name]()
+            return 1 / last[name][1]["tokens_per_s"]
+        return once
+    for fn in ways.values():
+        fn()
+    samples = interleaved({name: timer(name) for name in ways}, rounds)
+    return {name: (*last[name], samples[name]) for name in ways}
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny model, a few steps (CPU)")
     ap.add_argument("--steps", type=int, default=None, help="training steps")
     ap.add_argument("--batches", default=None, help="comma-separated decode batch sizes")
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--run-dir", default=None,
                     help="train into this directory, or reuse the model already trained there")
     ap.add_argument("--train-only", action="store_true", help="stop after training")
     ap.add_argument("--ks", default=None, help="comma-separated draft lengths (default 1..depth "
                     "at batch 1, 1 and depth above)")
     ap.add_argument("--no-sampled", action="store_true", help="skip the T=0.8 rows")
-    ap.add_argument("--unstack", type=int, default=None,
-                    help="1: per-layer weights (unrolled layers, faster, longer compile); "
-                         "0: the scanned stack; default: inference.unstack_layers")
-    args = ap.parse_args()
+    args = add_args(ap, rounds=3).parse_args()
     sizes = QUICK if args.quick else FULL
     steps = args.steps or sizes["steps"]
     new = args.new_tokens or sizes["new_tokens"]
@@ -116,61 +124,52 @@ def main():
     print("trained", json.dumps(info), flush=True)
     if args.train_only:
         return
-    unstack = None if args.unstack is None else bool(args.unstack)
-    graphdef, params = inference_params(model, cfg, unstack=unstack)
+    params = decode_params(model, cfg)
+    del model
     depth = cfg.model.mtp_depth
     rows = []
-    batches = [int(b) for b in (args.batches or sizes["batches"]).split(",")]
-    for b in batches:
+    for b in [int(x) for x in (args.batches or sizes["batches"]).split(",")]:
         prompts = held_out_prompts(cfg, b, sizes["prompt_len"])
         ks = range(1, depth + 1) if b == 1 else sorted({1, depth})
         if args.ks:
             ks = [int(x) for x in args.ks.split(",")]
         sampled = b == 1 and not args.no_sampled
         for temperature in ([0.0, 0.8] if sampled else [0.0]):
-            common = dict(max_new_tokens=new, temperature=temperature, eos_id=None, seed=0)
-            plain_ids, plain = timed(lambda warmup: generate_ids(
-                graphdef, params, prompts, chunk=32, warmup=warmup, **common), args.repeats)
-            rows.append({"batch": b, "temperature": temperature, "method": "plain", "k": 0,
-                         "tokens_per_s": plain["tokens_per_s"], "speedup": 1.0,
-                         "compile_s": plain["compile_s"]})
-            print(rows[-1], flush=True)
+            opts = dict(max_new_tokens=new, temperature=temperature, eos_id=None, seed=0)
+            ways = {0: lambda: generate_ids(params, prompts, chunk=32, warmup=False, **opts)}
             for k in (ks if temperature == 0 else [max(ks)]):
-                ids, t = timed(lambda warmup: speculative_generate_ids(
-                    graphdef, params, prompts, method="mtp", k=k, warmup=warmup, **common),
-                    args.repeats)
+                ways[k] = (lambda k: lambda: speculative_generate_ids(
+                    params, prompts, method="mtp", k=k, **opts))(k)
+            got = compare(ways, args.rounds)
+            plain_ids, _, plain = got[0]
+            for k, (ids, t, ts) in got.items():
                 rows.append({
-                    "batch": b, "temperature": temperature, "method": "mtp", "k": k,
-                    "tokens_per_s": t["tokens_per_s"],
-                    "speedup": t["tokens_per_s"] / plain["tokens_per_s"],
-                    "compile_s": t["compile_s"],
-                    "acceptance_length": t["mean_acceptance_length"],
-                    "acceptance_rate_per_position": t["acceptance_rate_per_position"],
+                    "batch": b, "temperature": temperature, "method": "mtp" if k else "plain",
+                    "k": k, "tokens_per_s": 1 / statistics.median(ts),
+                    "speedup": speedup(plain, ts),
+                    "acceptance_length": t.get("mean_acceptance_length", 1.0),
+                    "acceptance_rate_per_position": t.get("acceptance_rate_per_position"),
                     "same": (sum(a == p for a, p in zip(ids, plain_ids))
-                             if temperature == 0 else None)})
+                             if k and temperature == 0 else None)})
                 print(rows[-1], flush=True)
 
-    if args.out:
-        Path(args.out).write_text(json.dumps({"train": info, "decode": rows}, indent=1))
-    print(f"\nmodel {info['params_M']:.1f}M parameters, mtp_depth {depth}, {info['steps']} "
-          f"steps in {info['train_s']:.0f} s, eval loss {info['eval_loss']:.3f}, "
-          + ", ".join(f"{k} {v:.3f}" for k, v in info.items() if k.startswith("mtp")))
-    print(f"greedy unless noted; {new} new tokens per row\n")
-    print("| batch | decoding | tokens/s | speed-up | tokens/step | accepted by position "
-          "| same as plain |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    write_json(args.json, rows, train=info)
+    table = []
     for r in rows:
-        name = "plain" if r["method"] == "plain" else f"MTP k={r['k']}"
-        if r["temperature"]:
-            name += f" (T={r['temperature']})"
-        if r["method"] == "plain":
-            extra = "| 1 | | |"
-        else:
-            rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_position"])
-            same = "" if r["same"] is None else f"{r['same']}/{r['batch']}"
-            extra = f"| {r['acceptance_length']:.2f} | {rates} | {same} |"
-        print(f"| {r['batch']} | {name} | {r['tokens_per_s']:,.0f} | {r['speedup']:.2f}x "
-              + extra)
+        name = f"MTP k={r['k']}" if r["k"] else "plain"
+        rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_position"] or [])
+        table.append({"batch": r["batch"],
+                      "decoding": name + (f" (T={r['temperature']})" if r["temperature"] else ""),
+                      "tokens/s": r["tokens_per_s"], "speed-up": f"{r['speedup']:.2f}x",
+                      "tokens/step": r["acceptance_length"],
+                      "accepted by position": rates or None,
+                      "same as plain": None if r["same"] is None else f"{r['same']}/{r['batch']}"})
+    print_table(table, title=(
+        f"model {info['params_M']:.1f}M parameters, mtp_depth {depth}, {info['steps']} steps in "
+        f"{info['train_s']:.0f} s, eval loss {info['eval_loss']:.3f}, "
+        + ", ".join(f"{k} {v:.3f}" for k, v in info.items() if k.startswith("mtp"))
+        + f"; greedy unless noted, {new} new tokens per row, {args.rounds} interleaved rounds"))
+
 
 if __name__ == "__main__":
     main()
