@@ -12,7 +12,7 @@ steps each; the step time is the median over rounds of each round's median step.
 Reported: tokens/s per GPU (global tokens/s / GPUs used), its ratio to the single GPU,
 MFU per GPU, and the compiled step's per-device model-state and temporary memory.
 
-On the CPU (tests, a smoke test) `--quick` (or `--tiny`) shrinks the model and
+On the CPU (tests, a smoke test) `--quick` shrinks the model and
 XLA_FLAGS gives the devices:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu PYTHONPATH=. \
@@ -88,7 +88,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per layout and round")
     ap.add_argument("--batch", type=int, default=16, help="sequences per data-parallel rank")
     ap.add_argument("--layouts", default="single,fsdp2,tp2")
-    ap.add_argument("--quick", "--tiny", action="store_true", help="a tiny f32 model (the CPU)")
+    ap.add_argument("--quick", action="store_true", help="a tiny f32 model (the CPU)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.remat=full")
     args = add_args(ap, rounds=3).parse_args(argv)
     extra = (TINY if args.quick else []) + args.overrides

@@ -219,7 +219,7 @@ def test_dry_run_prints_layouts_and_memory():
 
 def test_sharding_benchmark_runs_on_cpu():
     """benchmarks/sharding.py (1 GPU vs fsdp=2 vs tp=2) end to end on a tiny model."""
-    r = subprocess.run([sys.executable, "benchmarks/sharding.py", "--tiny", "--steps", "1",
+    r = subprocess.run([sys.executable, "benchmarks/sharding.py", "--quick", "--steps", "1",
                         "--batch", "4"], env=_env(8), cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
