@@ -95,36 +95,35 @@ def generate_ids(params: DecodeParams, prompts: list[list[int]], *, max_new_toke
     key = jax.random.key(seed)
     k_prefill, k_decode = jax.random.split(key)
 
-    prefill_fn, chunk_fn = prefill, decode_chunk
     compile_s = 0.0
     if warmup:
         t0 = time.perf_counter()
-        cache, tok = prefill_fn(params, tokens, lengths, k_prefill, cache_len=cache_len,
+        cache, tok = prefill(params, tokens, lengths, k_prefill, cache_len=cache_len,
                                 **opts)
         state = (cache, tok, lengths, jnp.zeros(b, bool), k_decode)
         for _ in range(2):  # the second call sees the first's outputs, as in the loop
-            state = chunk_fn(params, *state, **step_opts)[:5]
+            state = decode_chunk(params, *state, **step_opts)[:5]
         jax.block_until_ready(state)
         compile_s = time.perf_counter() - t0
 
     n_chunks = -(-max_new_tokens // chunk)
     t_start = time.perf_counter()
-    cache, token = prefill_fn(params, tokens, lengths, k_prefill, cache_len=cache_len,
+    cache, token = prefill(params, tokens, lengths, k_prefill, cache_len=cache_len,
                               **opts)
     state = (cache, token, lengths, jnp.zeros(b, bool), k_decode)
     queued = []  # dispatched chunks whose tokens the host has not read yet
     if overlap and n_chunks:
-        queued.append(chunk_fn(params, *state, **step_opts))
+        queued.append(decode_chunk(params, *state, **step_opts))
     token.block_until_ready()
     t_first = time.perf_counter()
     blocks, n_steps, dispatched = [], 0, len(queued)
     while n_steps < max_new_tokens:
         if not queued:
-            queued.append(chunk_fn(params, *state, **step_opts))
+            queued.append(decode_chunk(params, *state, **step_opts))
             dispatched += 1
         *state, emitted = queued.pop(0)
         if overlap and dispatched < n_chunks:  # the next chunk runs while the host reads
-            queued.append(chunk_fn(params, *state, **step_opts))
+            queued.append(decode_chunk(params, *state, **step_opts))
             dispatched += 1
         emitted, done = jax.device_get((emitted, state[3]))
         emitted = emitted[:, :max_new_tokens - n_steps]

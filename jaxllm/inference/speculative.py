@@ -262,19 +262,19 @@ def speculative_generate_ids(params: DecodeParams, prompts: list[list[int]], *, 
                   out_len=max_new_tokens + k + 1, temperature=float(temperature),
                   top_k=int(top_k), top_p=float(top_p))
     key = jax.random.key(seed)
-    prefill_fn, loop_fn, args = spec_prefill, spec_loop, (params, draft)
+    args = (params, draft)
 
     compile_s = 0.0
     if warmup:  # compile both and run one step (limit 2), as the timed loop will
         t0 = time.perf_counter()
-        state, _ = prefill_fn(*args, tokens, lengths, key, **static)
-        jax.block_until_ready(loop_fn(*args, state, 2, eos_id=eos_id, **static))
+        state, _ = spec_prefill(*args, tokens, lengths, key, **static)
+        jax.block_until_ready(spec_loop(*args, state, 2, eos_id=eos_id, **static))
         compile_s = time.perf_counter() - t0
 
     t_start = time.perf_counter()
-    state, first = prefill_fn(*args, tokens, lengths, key, **static)
+    state, first = spec_prefill(*args, tokens, lengths, key, **static)
     # the loop is queued before the host waits for the first token
-    state = loop_fn(*args, state, max_new_tokens, eos_id=eos_id, **static)
+    state = spec_loop(*args, state, max_new_tokens, eos_id=eos_id, **static)
     first.block_until_ready()
     t_first = time.perf_counter()
     out = np.asarray(state.out)[:, :max_new_tokens]
