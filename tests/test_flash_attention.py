@@ -90,8 +90,10 @@ def test_bad_options_raise():
         flash_triton.flash_attention(q, k, v, block_q=48)
     with pytest.raises(ValueError, match="unknown pallas_triton options"):
         flash_triton.flash_attention(q, k, v, blok_q=16)
+    big = jnp.ones((1, 8, 2, 512))
+    assert "head_dim=512" in flash_triton.unsupported_reason(big, big, big)
+    assert flash_triton.unsupported_reason(q, k, v) is None
     with pytest.raises(ValueError, match="head_dim=512"):
-        big = jnp.ones((1, 8, 2, 512))
         flash_triton.flash_attention(big, big[:, :, :1], big[:, :, :1])
     with pytest.raises(ValueError, match="not divisible"):
         flash_attention(q[:, :, :1], k[:, :, :1].repeat(2, 2), v[:, :, :1].repeat(2, 2),

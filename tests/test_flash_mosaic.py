@@ -6,12 +6,10 @@ early). Its wgmma takes neither register operands nor transposed shared-memory r
 there the matmuls read their operands and multiply them as arrays; everything else is
 the code that runs on the GPU. The simulator is slow: three small shapes cover causal
 and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 2 and
-D 64 and 128; four more the persistent grid with several tiles a program, the
-one-tile-a-CTA, one-product-at-a-time paths and dQ formed by the dk/dv kernel (the
-simulator has no TMA reduction: there each CTA accumulates a dQ slice of its own); the
-forward's schedule options, the full-mask default at D 128, a single key tile and an
-odd number of query tiles run forward-only on small shapes. The GPU-only cases run
-long sequences with the default tiles.
+D 64 and 128; two more the persistent grid with several tiles a program and the
+one-tile-a-CTA, one-product-at-a-time paths; the full-mask default at D 128, a single
+key tile and an odd number of query tiles run forward-only on small shapes. The
+GPU-only cases run long sequences with the default tiles.
 """
 import functools
 
@@ -35,8 +33,6 @@ def _is_hopper():
 
 
 hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the compiled kernels need a Hopper GPU")
-
-
 
 
 def _check(b, sq, skv, hq, hkv, d, causal, tol, seed=0, **opts):
@@ -94,21 +90,13 @@ def test_matches_reference(case):
     ((1, 256, 192, 3, 1, 64), True, dict(persistent_dq=True)),
     # one CTA a tile, each product awaited before the next (the non-default paths)
     ((1, 70, 120, 1, 1, 64), False, dict(persistent=False, persistent_dq=False,
-                                         overlap_bwd=False)),
-    # dQ from the dk/dv kernel: at D 128 split along D over the two warpgroups (dS
-    # shared through a barrier; in the second CTA one warpgroup's keys see no query
-    # row, so it publishes a zero dS); at D 64 each warpgroup over its own keys
-    ((1, 100, 130, 2, 1, 128), True, dict(fused_dq=True)),
-    ((1, 70, 120, 2, 1, 64), False, dict(fused_dq=True))],
-    ids=["persistent_causal_gqa3", "plain_full", "fused_dq_causal_d128", "fused_dq_full_d64"])
+                                         overlap_bwd=False))],
+    ids=["persistent_causal_gqa3", "plain_full"])
 def test_grid_and_backward_options(shape, causal, opts):
     _check(*shape, causal=causal, tol=2e-2, block_kv=64, **opts)
 
 
 @pytest.mark.parametrize("opts, causal, d, sq, skv", [
-    # the overlapped schedule with the running max (the default is fixed_max)
-    (dict(overlap_softmax=True, fixed_max=False, block_kv=64), True, 64, 128, 128),
-    (dict(early_k_wait=True, sum_before_sync=True, block_kv=64), True, 64, 128, 128),
     # the default full-mask schedule at D = 128 (overlapped, no ping-pong), ragged keys
     (dict(block_kv=64), False, 128, 128, 120),
     # the default 128-key tiles over 100 keys: one tile, a stream shorter than the ring
@@ -118,11 +106,10 @@ def test_grid_and_backward_options(shape, causal, opts):
     # 192-key tiles: 3 query tiles over 2 persistent programs with one Q buffer (two
     # do not fit in shared memory beside the ring)
     (dict(block_kv=192), False, 128, 384, 400)],
-    ids=["overlap_softmax", "early_k_wait_sum_before_sync", "default_full_d128",
-         "one_key_tile", "persistent_odd_tiles", "kv192_one_q_buffer"])
-def test_forward_schedule_options(opts, causal, d, sq, skv):
-    # Same arithmetic, other wgmma/barrier order: the simulator checks the ring's barriers
-    # (both slabs, a tile only one of them sees, masked and unmasked tiles).
+    ids=["default_full_d128", "one_key_tile", "persistent_odd_tiles", "kv192_one_q_buffer"])
+def test_forward_paths(opts, causal, d, sq, skv):
+    # Forward only; the simulator checks the ring's barriers (both slabs, a tile only one
+    # of them sees, masked and unmasked tiles).
     b, hq, hkv = 1, 1, 1
     q, k, v, *_ = flash_inputs(3, b, sq, skv, hq, hkv, d, causal, jnp.bfloat16)
     o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, **opts)
@@ -148,29 +135,6 @@ def test_non_positive_scale():
         np.testing.assert_allclose(lse, lse_ref, atol=2e-2, rtol=2e-2)
 
 
-def test_chain_qk_is_the_unchained_step_reordered():
-    # chain_qk only moves when Q K_{j+1}^T is issued: every bit of o and the LSE must be
-    # those of the unchained step, and both match the reference. Causal with Sq > Skv and
-    # a ragged key tail: 58 rows see no key, the others one or two key tiles.
-    causal, sq, skv = True, 128, 70
-    q, k, v, _, _, seen = flash_inputs(5, 1, sq, skv, 1, 1, 64, causal, jnp.bfloat16)
-    opts = dict(block_kv=64, overlap_softmax=False, schedule_barrier=True, fixed_max=False)
-    o1, lse1 = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, **opts)
-    o0, lse0 = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, chain_qk=False,
-                                                     **opts)
-    np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o0, np.float32))
-    np.testing.assert_array_equal(np.asarray(lse1), np.asarray(lse0))
-    with jax.default_matmul_precision("highest"):
-        o_ref, lse_ref = reference.flash_attention_with_lse(
-            *(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
-    o32 = np.asarray(o0, np.float32)
-    np.testing.assert_allclose(o32[:, seen], o_ref[:, seen], atol=2e-2, rtol=2e-2)
-    np.testing.assert_allclose(lse0[:, :, seen], lse_ref[:, :, seen], atol=2e-2, rtol=2e-2)
-    assert not seen.all()
-    np.testing.assert_array_equal(o32[:, ~seen], 0.0)
-    assert np.isneginf(np.asarray(lse0[:, :, ~seen])).all()
-
-
 def _outgrowing_inputs(b, sq, skv, hq, d, causal, seed=7, hot=(128, 256)):
     """Inputs where the query rows hot[0]:hot[1] score the first 64 keys some 45 nats
     below the rest (130 in log2 units): shifted by their first key tile's max, their
@@ -185,7 +149,7 @@ def _outgrowing_inputs(b, sq, skv, hq, d, causal, seed=7, hot=(128, 256)):
 
 @pytest.mark.parametrize("opts, causal", [
     (dict(block_kv=64), True),  # the chained ping-pong
-    (dict(block_kv=64, overlap_softmax=True, schedule_barrier=False), False)],
+    (dict(block_kv=64, schedule="overlapped"), False)],
     ids=["pingpong_causal", "overlapped_full"])
 def test_fixed_max_runs_outgrown_tiles_again(opts, causal, monkeypatch):
     # fixed_max: 3 query tiles of 128 rows over the simulator's 2 persistent programs;
@@ -239,22 +203,21 @@ def test_tile_schedule_runs_each_tile_once(n_t, heads, batch, sms, causal, persi
         assert max(loads) <= 1.08 * sum(loads) / len(loads), loads
 
 
-def test_default_schedule_by_mask():
-    # the tuned table: ping-pong when causal; full attention at D = 128 overlaps instead;
-    # persistent forward and overlapped backward at D <= 128, a persistent
-    # dq when full
-    full = flash_mosaic.default_block_sizes(128, causal=False)
-    assert full.overlap_softmax and not full.schedule_barrier
-    for d, causal in ((128, True), (64, False), (64, True)):
-        bs = flash_mosaic.default_block_sizes(d, causal=causal)
-        assert bs.schedule_barrier and not bs.overlap_softmax, (d, causal)
-    for d, causal in ((128, True), (128, False), (64, True), (64, False)):
-        bs = flash_mosaic.default_block_sizes(d, causal=causal)
-        assert bs.persistent and bs.overlap_bwd and bs.persistent_dq == (not causal)
-        assert bs.fixed_max
-    big = flash_mosaic.default_block_sizes(256, causal=False)
-    assert not (big.persistent or big.persistent_dq or big.overlap_bwd)
-    assert big.fixed_max  # fixed_max at every head dim
+def test_default_configs_by_mask():
+    # ping-pong, except full attention at D = 128 (overlapped); persistent forward and
+    # overlapped backward at D <= 128, a persistent dq when full; fixed_max everywhere
+    assert flash_mosaic.default_fwd_config(128, causal=False).schedule == "overlapped"
+    for d, causal in ((128, True), (64, False), (64, True), (256, True), (256, False)):
+        assert flash_mosaic.default_fwd_config(d, causal).schedule == "pingpong", (d, causal)
+    for d in (64, 128):
+        for causal in (True, False):
+            fwd = flash_mosaic.default_fwd_config(d, causal)
+            bwd = flash_mosaic.default_bwd_config(d, causal)
+            assert fwd.persistent and fwd.fixed_max and fwd.block_kv == 128
+            assert bwd.overlap_bwd and bwd.persistent_dq == (not causal)
+    fwd, bwd = flash_mosaic.default_fwd_config(256, False), flash_mosaic.default_bwd_config(256)
+    assert fwd.block_kv == 64 and fwd.fixed_max and not fwd.persistent
+    assert bwd.compute_wgs_bwd == 1 and not (bwd.persistent_dq or bwd.overlap_bwd)
 
 
 def test_bad_inputs_raise():
@@ -273,9 +236,12 @@ def test_bad_inputs_raise():
                                      jnp.ones((1, 8, 2, 128), jnp.bfloat16), block_kv=256)
     with pytest.raises(ValueError, match="unknown pallas_mosaic options"):
         flash_mosaic.flash_attention(q, q, q, blok_q=64)
-    q = jnp.ones((1, 8, 2, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match="fused_dq takes head_dim <= 128"):
-        flash_mosaic.flash_attention(q, q, q, fused_dq=True)
+    with pytest.raises(ValueError, match="schedule='ping'"):
+        flash_mosaic.flash_attention(q, q, q, schedule="ping")
+    with pytest.raises(ValueError, match="num_stages_bwd=1 must be >= 2"):
+        flash_mosaic.flash_attention(q, q, q, bwd=flash_mosaic.BwdConfig(num_stages_bwd=1))
+    with pytest.raises(ValueError, match="fwd must be a flash_mosaic.FwdConfig"):
+        flash_mosaic.flash_attention(q, q, q, fwd=dict(block_kv=64))
 
 
 def test_auto_skips_unsupported_inputs(monkeypatch):
@@ -296,37 +262,14 @@ _GPU_SHAPES = {"gqa4_d128": (2, 1024, 1024, 8, 2, 128),
                "mqa_d64_sq_lt_skv": (1, 1000, 2500, 8, 1, 64),
                "mha_d256": (1, 777, 777, 4, 4, 256),
                "sq_gt_skv": (1, 2500, 1000, 4, 1, 128)}
-# multicast only: MHA, so clusters pair neighbouring query tiles (20 of them), Sq > Skv
-_MHA_PAIRED_TILES = (1, 2500, 1000, 2, 2, 128)
-# the default tiles everywhere; dQ from the dk/dv kernel where it applies (D <= 128)
-_GPU_CASES = [(n, {}) for n in _GPU_SHAPES] + [
-    (n, dict(fused_dq=True)) for n in _GPU_SHAPES if _GPU_SHAPES[n][-1] <= 128]
 
 
 @hopper_only
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("name, opts", _GPU_CASES,
-                         ids=[n + ("_fused_dq" if o else "") for n, o in _GPU_CASES])
-def test_gpu_long_bf16(name, opts, causal):
-    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2, **opts)
-
-
-@hopper_only
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("name, opts", [
-    # GQA / MQA: the clusters pair two query heads of a group on one query tile
-    ("gqa4_d128", {}), ("gqa4_d128", dict(num_stages=3)), ("mqa_d64_sq_lt_skv", {}),
-    ("sq_gt_skv", {}),
-    # MHA: neighbouring query tiles of one head (causal: both CTAs stream for the longer)
-    ("mha_paired_tiles", {}),
-    ("mha_d256", {})],  # MHA with 7 query tiles: no pairs, so no clusters
-    ids=["gqa4_d128", "gqa4_d128_3_stages", "mqa_d64_sq_lt_skv", "sq_gt_skv",
-         "mha_paired_tiles", "mha_d256"])
-def test_gpu_kv_multicast(name, opts, causal):
-    # clusters of two CTAs sharing each K/V tile by TMA multicast (the simulator has no
-    # clusters, so this runs on the GPU only)
-    shape = _MHA_PAIRED_TILES if name == "mha_paired_tiles" else _GPU_SHAPES[name]
-    _check(*shape, causal=causal, tol=3e-2, kv_multicast=True, **opts)
+@pytest.mark.parametrize("name", list(_GPU_SHAPES))
+def test_gpu_long_bf16(name, causal):
+    # the default configs
+    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2)
 
 
 @hopper_only

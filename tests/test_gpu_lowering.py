@@ -69,16 +69,10 @@ def test_flash_triton_forward_and_backward_lower():
     (64, 384, {}),
     (256, 384, {}),  # 64-key tiles, one compute warpgroup in the backward
     (128, 100, {}),  # one 128-key tile: the forward's ring shrinks to its stream
-    (128, 384, dict(early_k_wait=True, sum_before_sync=True)),
-    (128, 384, dict(persistent=True)),  # Q double-buffered
     (128, 384, dict(block_kv=192)),  # one Q buffer: the 192-key ring takes 192 KiB
     (256, 384, dict(persistent=True)),  # one Q buffer
-    (128, 384, dict(fused_dq=True)),  # dQ from dk/dv, TMA reductions into an aliased ref
-    (128, 384, dict(kv_multicast=True)),  # GQA 2: heads paired in clusters, K/V multicast
-    (64, 384, dict(fused_dq=True, overlap_bwd=False)),
     (256, 384, dict(fixed_max=False))],  # the running max (not the default)
-    ids=["d128", "d64", "d256", "one_key_tile", "early_k_wait", "persistent_d128", "kv192",
-         "persistent_d256", "fused_dq_d128", "kv_multicast", "fused_dq_d64_serial",
+    ids=["d128", "d64", "d256", "one_key_tile", "kv192", "persistent_d256",
          "running_max_d256"])
 def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
     # Mosaic GPU lowers on any machine too; the simulator the CPU tests use never sees the
@@ -88,12 +82,3 @@ def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
                                             **opts).astype(jnp.float32).sum()
     _lowers(jax.grad(loss, argnums=(0, 1, 2)), ((1, 256, 4, d), BF16),
             ((1, skv, 2, d), BF16), ((1, skv, 2, d), BF16))
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_flash_mosaic_kv_multicast_mha_lowers(causal):
-    # MHA has no pair of heads sharing K/V: the clusters pair neighbouring query tiles
-    def fwd(q, k, v):
-        return flash_mosaic.flash_attention(q, k, v, causal=causal, interpret=False,
-                                            kv_multicast=True)
-    _lowers(fwd, ((1, 256, 2, 128), BF16), ((1, 384, 2, 128), BF16), ((1, 384, 2, 128), BF16))

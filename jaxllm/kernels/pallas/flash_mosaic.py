@@ -1,48 +1,37 @@
 """FlashAttention for Hopper in Pallas with the Mosaic GPU lowering: forward, LSE, backward.
 
-q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D], f16 or bf16, D a multiple of 64 (64, 128, 256).
-Every kernel is warp-specialised in the FlashAttention-3 manner: one producer warpgroup
-issues TMA copies of the streamed tiles into a `num_stages`-deep shared-memory ring
-(a "loaded" barrier per slot, signalled by the TMA unit, and a "free" barrier per slot,
-signalled by the consumers), and compute warpgroups issue `wgmma` with float32
-accumulators in registers. Each compute warpgroup owns a 64-row (by default) slab of
-the CTA's tile; all compute warpgroups of a CTA consume the same stream.
+q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D], f16 or bf16, D in (64, 128, 256). Every kernel is
+warp-specialised in the FlashAttention-3 manner: one producer warpgroup issues TMA copies
+of the streamed tiles into a `num_stages`-deep shared-memory ring (a "loaded" barrier per
+slot, signalled by the TMA unit, and a "free" barrier per slot, signalled by the
+consumers), and compute warpgroups issue `wgmma` with float32 accumulators in registers,
+each on its own slab of the CTA's tile.
 
-  forward   work items (q tile, Hq, B); 2 compute warpgroups x block_q rows. Streams
-            K and V tiles; S = Q K^T, online softmax in base 2 (scores scaled by
-            scale * log2 e inside the exponent's multiply-add; running max m and sum l
-            in float32), O += P V. By default (see default_block_sizes) causal
-            attention ping-pongs the two warpgroups on a schedule barrier, so one's
-            softmax overlaps the other's matmuls, and each warpgroup issues a tile's
-            P V together with the next tile's Q K^T; full attention at D = 128 instead
-            overlaps each warpgroup's softmax with its own next QK^T and current PV
-            (FA3's intra-warpgroup pipelining). By default (fixed_max) the max m is
-            the row's max over its first key tile, kept for the rest of the stream
-            (no running max, no rescaling of O); a tile where that would overflow
-            float32 runs again with the running max. Writes O and LSE = (m + log2 l) * ln 2.
+  forward   work items (q tile, Hq, B), 2 compute warpgroups of block_q rows; streams K
+            and V. S = Q K^T, softmax in base 2 (the scale folded into exp2's multiply-
+            add), O += P V; writes O and LSE. The two schedules are in flash_mosaic_fwd.
+            With fixed_max each row is shifted by its max over its first key tile for
+            the whole stream (no running max, no rescaling of O); a tile where a row's
+            sum outgrows float32's safe range runs again, in the same kernel, with the
+            running max.
   dq        work items (q tile, Hq, B); streams K, V; dS = P (dO V^T - delta), dQ += dS K.
-  dk, dv    grid (kv tiles, Hkv, B); streams Q, dO, LSE, delta of every query head of
-            the GQA group in turn (so K/V are never repeated and dk/dv are summed over
-            the group in registers); dV += P^T dO, dK += dS^T Q.
+  dk, dv    grid (kv tiles, Hkv, B); streams Q, dO, LSE, delta of every query head of the
+            GQA group in turn (K/V never repeated, dk/dv summed over the group in
+            registers); dV += P^T dO, dK += dS^T Q.
   delta = rowsum(dO * O) is computed with jnp before the backward kernels.
 
-The forward and dq kernels run either one CTA per work item or (`persistent`) one CTA
-per SM looping over items, its ring and barriers carried from item to item, so the next
-item's loads overlap this one's epilogue (mosaic_common.TileSchedule: which items, in
-which order). The backward can issue its two independent score products together and
-work on the first while the second runs (`overlap_bwd`).
+The forward and dq kernels run one CTA per work item or (persistent) one CTA per SM
+looping over items, ring and barriers carried over, so the next item's loads overlap
+this one's epilogue (mosaic_common.TileSchedule).
 
-Causal attention is bottom-right aligned (query i sees keys j <= i + Skv - Sq). A CTA's
-stream stops at the last tile its rows can see (dk/dv: starts at the first); inside it
-tiles fully below the diagonal run without a mask and only tiles crossing it (or the key
-tail) pay for one. A warpgroup whose slab sees fewer tiles than its CTA's stream still
-waits on and releases the extra slots, so the ring's barriers stay in phase. Lengths
-that are not tile multiples are zero-padded here; padded keys are masked wherever their
-scores are used (forward, dq), their dk/dv rows are dropped, and padded query rows add
-nothing to dk/dv (Q = dO = 0 there). A query row that sees no key (causal, Sq > Skv)
-gets o = 0 and LSE = -inf. The forward kernel is in flash_mosaic_fwd.py, the backward
-kernels in flash_mosaic_bwd.py, the shared building blocks in mosaic_common.py; this
-module holds the tiles (BlockSizes), the padding and the custom VJP.
+Causal attention is bottom-right aligned (query i sees keys j <= i + Skv - Sq). A stream
+stops at the last key tile its rows see (dk/dv: starts at the first); only tiles that
+cross the diagonal or the key tail are masked. A warpgroup whose slab sees fewer tiles
+than its CTA still waits on and releases their slots, keeping the ring's barriers in
+phase. Lengths are zero-padded to the tiles here; padded keys are masked, padded query
+rows add nothing to dk/dv. A query row that sees no key gets o = 0 and LSE = -inf.
+Which configuration runs for each mask and head dim: default_fwd_config and
+default_bwd_config (the measurements behind them: docs/performance.md).
 
 On the CPU the kernels run in JAX's Mosaic GPU simulator (slow; small shapes only).
 """
@@ -63,137 +52,121 @@ from jaxllm.kernels.pallas.mosaic_common import LOG2E
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SCHEDULES = ("pingpong", "overlapped")
+
+
+def _check_tiles(cfg, stages: tuple[str, ...]):
+    for f in dataclasses.fields(cfg):
+        val = getattr(cfg, f.name)
+        if f.name.startswith("block_") and (not isinstance(val, int) or val < 64 or val % 64):
+            raise ValueError(f"{f.name}={val!r} must be a positive multiple of 64")
+    for name in stages:
+        if getattr(cfg, name) < 2:
+            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 2")
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tiles (multiples of 64) and pipeline depth of the three kernels.
+class FwdConfig:
+    """The forward kernel. Tiles are multiples of 64.
 
-    block_q: query rows per compute warpgroup in the forward pass (2 warpgroups a CTA).
-    block_kv: keys per streamed K/V tile in the forward pass.
-    num_stages: depth of the shared-memory ring (>= 2).
-    schedule_barrier: ping-pong the two forward warpgroups (FA3 inter-warpgroup overlap).
-    early_k_wait: forward; wait for the next K tile while this tile's PV wgmma runs,
-      instead of at the start of the next step.
-    sum_before_sync: forward; add P's row sums to l and pin (acc, m, l, P) with an
-      optimization barrier before the schedule barrier, so the compiler cannot sink the
-      softmax tail past it.
-    chain_qk: forward, ping-pong schedule (without overlap_softmax); a warpgroup issues
-      tile j's P V and tile j+1's Q K^T together, so the tensor pipe gets them back to
-      back, rather than issuing Q K_{j+1}^T only once P_j V_j is done. On the H200 it
-      measured 2-3% faster causal at D = 128 at the board's power cap (docs/benchmarks.md).
-      early_k_wait and sum_before_sync are options of the unchained step: either one
-      turns chain_qk off.
-    overlap_softmax: forward; FA3 intra-warpgroup overlap: step j issues Q K_j^T and then
-      P_{j-1} V_{j-1} as two async wgmmas, and runs the softmax of tile j while the PV
-      wgmma is still in flight (one more S-sized tile of registers).
-    fixed_max: forward, chained or overlapped schedule; each query row's scores are
-      shifted by the row's max over its first key tile, kept for the whole stream,
-      instead of by a running max: after the first tile, no row max, no rescaling of O
-      and no wait for the max before the exponentials. The row's sum of exponentials is
-      then at least 1 (the first tile's max term); while it stays below 2^64 no term
-      overflows float32 (a later score would have to exceed the first tile's max by
-      about 64 - log2(Skv) in log2 units, some 40 nats, to pass it). A tile with a row
-      past it is flagged, and once the program's other tiles are done it runs again
-      with the running max (its K/V streamed again). Not with kv_multicast, nor where
-      the flags (4 bytes a tile and warpgroup) do not fit in shared memory, nor with
-      sm_scale <= 0; there the running max is used.
-    persistent: forward; one CTA per SM, each looping over the (q tile, head, batch)
-      work items pid, pid + #SMs, ... (causal: heaviest tiles first, dealt in rounds of
-      alternating direction; see mosaic_common.TileSchedule): the producer streams the
-      next tile's K/V into the ring while the consumers finish the last, and the next
-      tile's Q loads during this one (where two Q buffers fit beside the ring: D <= 128
-      with the default tiles), so a CTA's start-up and epilogue no longer leave the SM
-      idle.
-    kv_multicast: forward; CTAs in clusters of two, each K/V tile loaded from L2 once and
-      multicast by TMA into both CTAs' rings; a ring slot is refilled once the consumers
-      of both CTAs have freed it. The two CTAs run two query heads of one GQA group on
-      the same query tile (so, causal, the same key tiles); with MHA, neighbouring query
-      tiles of one head (where their number is even; causal, both stream the longer
-      tile's keys). Half the L2 traffic, so under the H200's power cap the clock rises
-      by 2-4%, but the two CTAs wait on each other: off by default, as it measured no
-      faster (docs/benchmarks.md). Compiled kernels only (the simulator has no clusters).
-    persistent_dq: the same for the dq kernel (its Q, dO, LSE and delta tiles).
-    overlap_bwd: backward; issue S = Q K^T and dP = dO V^T (dk/dv: their transposes)
-      together, so the exponentials run while dP is in flight (and, in dk/dv, dS^T is
-      formed while dV += P^T dO runs).
-    fused_dq: backward; no dq kernel: the dk/dv kernel also forms dQ += dS K from its
-      dS and adds it into a float32 buffer with TMA reductions (5 matmuls a tile pair
-      instead of 7; D <= 128). Off by default: on the H200 it measured slower than the
-      two kernels at D = 128 and level at D = 64 (docs/benchmarks.md).
-    block_q_dq / block_kv_dq, block_q_dkv / block_kv_dkv: the backward kernels' tiles
-    (the owned side per warpgroup and the streamed side); compute_wgs_bwd warpgroups a CTA.
+    block_q: query rows per compute warpgroup (2 warpgroups a CTA).
+    block_kv: keys per streamed K/V tile; num_stages: depth of the K/V ring (>= 2).
+    schedule: "pingpong" or "overlapped" (see flash_mosaic_fwd).
+    fixed_max: shift each row by its first key tile's max (else a running max).
+    persistent: one CTA per SM looping over the work items (else one CTA per item).
     """
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
-    schedule_barrier: bool = True
-    early_k_wait: bool = False
-    sum_before_sync: bool = False
-    chain_qk: bool = True
-    overlap_softmax: bool = False
-    fixed_max: bool = False
-    persistent: bool = False
-    kv_multicast: bool = False
-    persistent_dq: bool = False
-    overlap_bwd: bool = False
-    fused_dq: bool = False
+    schedule: str = "pingpong"
+    fixed_max: bool = True
+    persistent: bool = True
+
+    def __post_init__(self):
+        _check_tiles(self, ("num_stages",))
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}; choose one of {SCHEDULES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """The backward's dq and dk/dv kernels. Tiles are multiples of 64.
+
+    block_q_dq / block_kv_dq: dq's owned query rows per warpgroup / streamed keys.
+    block_q_dkv / block_kv_dkv: dk/dv's streamed query rows / owned keys per warpgroup.
+    num_stages_bwd: depth of both rings (>= 2); compute_wgs_bwd: compute warpgroups a
+    CTA (1 or 2). overlap_bwd: issue the two score products of a step together.
+    persistent_dq: one dq CTA per SM looping over the work items.
+    """
     block_q_dq: int = 64
     block_kv_dq: int = 64
     block_q_dkv: int = 64
     block_kv_dkv: int = 64
     num_stages_bwd: int = 2
     compute_wgs_bwd: int = 2
+    overlap_bwd: bool = True
+    persistent_dq: bool = False
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            val = getattr(self, f.name)
-            if f.name.startswith("block_") and (not isinstance(val, int) or val < 64 or val % 64):
-                raise ValueError(f"{f.name}={val!r} must be a positive multiple of 64")
-        if self.num_stages < 2 or self.num_stages_bwd < 2:
-            raise ValueError(f"num_stages={self.num_stages} and num_stages_bwd="
-                             f"{self.num_stages_bwd} must be >= 2")
+        _check_tiles(self, ("num_stages_bwd",))
         if self.compute_wgs_bwd not in (1, 2):
             raise ValueError(f"compute_wgs_bwd={self.compute_wgs_bwd} must be 1 or 2")
 
-# ----------------------------------------------------------------------------- public API
+
+def default_fwd_config(head_dim: int, causal: bool = True) -> FwdConfig:
+    """The measured fastest forward for a head dim and mask: the ping-pong schedule,
+    except full attention at D = 128 (overlapped); at D = 256, 64-key tiles so that Q
+    and the ring fit in shared memory, and one CTA per item."""
+    if head_dim >= 256:
+        return FwdConfig(block_kv=64, persistent=False)
+    if not causal and head_dim == 128:
+        return FwdConfig(schedule="overlapped")
+    return FwdConfig()
 
 
-def _tiles(sq: int, skv: int, bs: BlockSizes, backward: bool) -> tuple[BlockSizes, int, int]:
-    """Clamp the key tiles to short sequences; the padded (Sq, Skv) that the forward
-    kernel's tiles (or, `backward`, both backward kernels' tiles) divide."""
-    kv_cap = mg.round_up(skv, 64)
-    bs = dataclasses.replace(bs, block_kv=min(bs.block_kv, kv_cap),
-                             block_kv_dq=min(bs.block_kv_dq, kv_cap))
-    if not backward:
-        return bs, mg.round_up(sq, 2 * bs.block_q), mg.round_up(skv, bs.block_kv)
-    n_wg = bs.compute_wgs_bwd
-    q_mult = math.lcm(n_wg * bs.block_q_dq, bs.block_q_dkv)
-    kv_mult = math.lcm(bs.block_kv_dq, n_wg * bs.block_kv_dkv)
-    return bs, mg.round_up(sq, q_mult), mg.round_up(skv, kv_mult)
+def default_bwd_config(head_dim: int, causal: bool = True) -> BwdConfig:
+    """The measured fastest backward: a persistent dq for full attention; at D = 256 one
+    compute warpgroup a CTA (its tiles and ring fill shared memory), products in turn."""
+    if head_dim >= 256:
+        return BwdConfig(compute_wgs_bwd=1, overlap_bwd=False)
+    return BwdConfig(persistent_dq=not causal)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _flash(q, k, v, causal, scale, bs, interpret):
-    return _flash_fwd(q, k, v, causal, scale, bs, interpret)[0]
+def _fwd_tiles(sq: int, skv: int, cfg: FwdConfig) -> tuple[FwdConfig, int, int]:
+    """Key tiles clamped to short sequences; the padded (Sq, Skv) the tiles divide."""
+    cfg = dataclasses.replace(cfg, block_kv=min(cfg.block_kv, mg.round_up(skv, 64)))
+    return cfg, mg.round_up(sq, 2 * cfg.block_q), mg.round_up(skv, cfg.block_kv)
 
 
-def _flash_fwd(q, k, v, causal, scale, bs, interpret):
+def _bwd_tiles(sq: int, skv: int, cfg: BwdConfig) -> tuple[BwdConfig, int, int]:
+    cfg = dataclasses.replace(cfg, block_kv_dq=min(cfg.block_kv_dq, mg.round_up(skv, 64)))
+    n_wg = cfg.compute_wgs_bwd
+    q_mult = math.lcm(n_wg * cfg.block_q_dq, cfg.block_q_dkv)
+    kv_mult = math.lcm(cfg.block_kv_dq, n_wg * cfg.block_kv_dkv)
+    return cfg, mg.round_up(sq, q_mult), mg.round_up(skv, kv_mult)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _flash(q, k, v, causal, scale, fwd_cfg, bwd_cfg, interpret):
+    return _flash_fwd(q, k, v, causal, scale, fwd_cfg, bwd_cfg, interpret)[0]
+
+
+def _flash_fwd(q, k, v, causal, scale, fwd_cfg, bwd_cfg, interpret):
     sq, skv = q.shape[1], k.shape[1]
-    bs, sq_p, skv_p = _tiles(sq, skv, bs, backward=False)
+    cfg, sq_p, skv_p = _fwd_tiles(sq, skv, fwd_cfg)
     qp = mg.pad_axis(q, 1, sq_p)
     kp, vp = mg.pad_axis(k, 1, skv_p), mg.pad_axis(v, 1, skv_p)
-    o, lse = forward(qp, kp, vp, causal=causal, scale=scale, bs=bs, skv=skv,
+    o, lse = forward(qp, kp, vp, causal=causal, scale=scale, cfg=cfg, skv=skv,
                      offset=skv - sq, interpret=interpret)
     o, lse = o[:, :sq], lse[:, :, :sq]
     return (o, lse), (q, k, v, o, lse)
 
 
-def _flash_bwd(causal, scale, bs, interpret, res, cts):
+def _flash_bwd(causal, scale, fwd_cfg, bwd_cfg, interpret, res, cts):
     q, k, v, o, lse = res
     do, dlse = cts
     sq, skv = q.shape[1], k.shape[1]
-    bs, sq_p, skv_p = _tiles(sq, skv, bs, backward=True)
+    cfg, sq_p, skv_p = _bwd_tiles(sq, skv, bwd_cfg)
     # delta = rowsum(dO * O) minus the LSE cotangent (d lse / d s = p). Rows that see no
     # key have LSE -inf; +inf makes their P exactly 0.
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
@@ -201,13 +174,9 @@ def _flash_bwd(causal, scale, bs, interpret, res, cts):
     delta, lse2 = mg.pad_axis(delta, 2, sq_p), mg.pad_axis(lse2, 2, sq_p)
     qp, dop = mg.pad_axis(q, 1, sq_p), mg.pad_axis(do.astype(q.dtype), 1, sq_p)
     kp, vp = mg.pad_axis(k, 1, skv_p), mg.pad_axis(v, 1, skv_p)
-    common = dict(causal=causal, scale=scale, bs=bs, offset=skv - sq, interpret=interpret)
-    if bs.fused_dq:
-        dk, dv, dq = dkdv_kernel(qp, kp, vp, dop, lse2, delta, **common)
-        dq = (dq[:, :sq] * scale).astype(q.dtype)
-    else:
-        dq = dq_kernel(qp, kp, vp, dop, lse2, delta, skv=skv, **common)[:, :sq]
-        dk, dv = dkdv_kernel(qp, kp, vp, dop, lse2, delta, **common)
+    common = dict(causal=causal, scale=scale, cfg=cfg, offset=skv - sq, interpret=interpret)
+    dq = dq_kernel(qp, kp, vp, dop, lse2, delta, skv=skv, **common)[:, :sq]
+    dk, dv = dkdv_kernel(qp, kp, vp, dop, lse2, delta, **common)
     return dq, dk[:, :skv], dv[:, :skv]
 
 
@@ -224,59 +193,39 @@ def unsupported_reason(q, k, v) -> str | None:
     return None
 
 
-def default_block_sizes(head_dim: int, causal: bool = True) -> BlockSizes:
-    """Tiles that fit Hopper's 227 KiB of shared memory a CTA. At D = 256 the forward
-    streams 64-key tiles (Q 64 KiB + a 2-stage K/V ring 128 KiB) and the backward runs
-    one compute warpgroup a CTA (its owned tiles 64 KiB + the streamed ring 128 KiB).
-
-    Schedules, measured on the H200 at D = 64 and 128 (docs/benchmarks.md):
-    - forward: causal attention runs the two warpgroups in ping-pong; full attention at
-      D = 128 runs the FA3 intra-warpgroup overlap without the ping-pong (7-10% faster
-      with GQA, level with MHA; 11-17% slower when causal). Persistent CTAs (one a SM)
-      gain 3-5% at S = 4096 and 13-15% at S = 1024.
-    - forward: each row shifted by its first key tile's max (fixed_max); at the power
-      cap 6-7% faster than the running max at D = 128 (1.12x cuDNN, full and causal)
-      and 8-15% at D = 256 (1.08x full, 1.01x causal), 0-10% in interleaved rounds
-      (D = 64 and 128).
-    - backward: S and dP issued together (overlap_bwd: dq 7% and dk/dv 3% faster); a
-      persistent dq kernel for full attention only (faster full, slower causal).
-    """
-    if head_dim >= 256:
-        return BlockSizes(block_kv=64, compute_wgs_bwd=1, fixed_max=True)
-    bs = BlockSizes(persistent=True, persistent_dq=not causal, overlap_bwd=True,
-                    fixed_max=True)
-    if not causal and head_dim == 128:
-        return dataclasses.replace(bs, overlap_softmax=True, schedule_barrier=False)
-    return bs
+_FWD_FIELDS = {f.name for f in dataclasses.fields(FwdConfig)}
+_BWD_FIELDS = {f.name for f in dataclasses.fields(BwdConfig)}
 
 
-def _block_sizes(head_dim: int, kwargs: dict, causal: bool = True) -> BlockSizes:
-    bs = kwargs.pop("block_sizes", None) or default_block_sizes(head_dim, causal)
-    if not isinstance(bs, BlockSizes):
-        raise ValueError(f"block_sizes must be a flash_mosaic.BlockSizes; got {type(bs).__name__}")
-    names = {f.name for f in dataclasses.fields(BlockSizes)}
-    unknown = sorted(set(kwargs) - names)
+def _configs(head_dim: int, causal: bool, opts: dict) -> tuple[FwdConfig, BwdConfig]:
+    """The configs the options ask for: `fwd=` / `bwd=` (default: the tuned ones for this
+    head dim and mask), then any of their fields by name on top."""
+    fwd = opts.pop("fwd", None) or default_fwd_config(head_dim, causal)
+    bwd = opts.pop("bwd", None) or default_bwd_config(head_dim, causal)
+    if not isinstance(fwd, FwdConfig) or not isinstance(bwd, BwdConfig):
+        raise ValueError(f"fwd must be a flash_mosaic.FwdConfig and bwd a BwdConfig; got "
+                         f"{type(fwd).__name__}, {type(bwd).__name__}")
+    unknown = sorted(set(opts) - _FWD_FIELDS - _BWD_FIELDS)
     if unknown:
-        raise ValueError(f"unknown pallas_mosaic options {unknown}; valid: "
-                         f"block_sizes, {sorted(names)}")
-    bs = dataclasses.replace(bs, **kwargs)
-    fwd_bytes = fwd_tile_bytes(bs.block_q, bs.block_kv, bs.num_stages, head_dim)
+        raise ValueError(f"unknown pallas_mosaic options {unknown}; valid: fwd, bwd, "
+                         f"{sorted(_FWD_FIELDS | _BWD_FIELDS)}")
+    fwd = dataclasses.replace(fwd, **{n: v for n, v in opts.items() if n in _FWD_FIELDS})
+    bwd = dataclasses.replace(bwd, **{n: v for n, v in opts.items() if n in _BWD_FIELDS})
+    fwd_bytes = fwd_tile_bytes(fwd.block_q, fwd.block_kv, fwd.num_stages, head_dim)
     if fwd_bytes > mg.SMEM_BUDGET:
-        raise ValueError(f"the forward's tiles (Q: 2 x block_q={bs.block_q} rows; K/V ring: "
-                         f"num_stages={bs.num_stages} x block_kv={bs.block_kv} keys) take "
+        raise ValueError(f"the forward's tiles (Q: 2 x block_q={fwd.block_q} rows; K/V ring: "
+                         f"num_stages={fwd.num_stages} x block_kv={fwd.block_kv} keys) take "
                          f"{fwd_bytes // 1024} KiB of shared memory at head_dim={head_dim}; "
                          f"a CTA has {mg.SMEM_BUDGET // 1024} KiB")
-    if bs.fused_dq and head_dim > 128:
-        raise ValueError(f"fused_dq takes head_dim <= 128 (the dQ accumulator and the staged "
-                         f"dS do not fit beside dK and dV); got head_dim={head_dim}")
-    return bs
+    return fwd, bwd
 
 
 def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
                              interpret: bool | None = None, **kwargs):
     """(o [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] float32, natural log); both differentiable.
 
-    kwargs: `block_sizes=BlockSizes(...)` and/or any of its fields (e.g. block_kv=64).
+    kwargs: `fwd=FwdConfig(...)`, `bwd=BwdConfig(...)` and/or any of their fields by
+    name (e.g. block_kv=64), over the defaults for the head dim and mask.
     Rows that see no key (causal, Sq > Skv) give o = 0 and lse = -inf. `interpret`
     (default: on the CPU) runs the kernels in JAX's Mosaic GPU simulator.
     """
@@ -289,10 +238,10 @@ def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | 
     if why:
         raise ValueError(why)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    bs = _block_sizes(q.shape[-1], dict(kwargs), bool(causal))
+    fwd, bwd = _configs(q.shape[-1], bool(causal), dict(kwargs))
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    return _flash(q, k, v, bool(causal), scale, bs, bool(interpret))
+    return _flash(q, k, v, bool(causal), scale, fwd, bwd, bool(interpret))
 
 
 def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None, **kwargs):

@@ -7,9 +7,9 @@
             Q, dO, LSE and delta tiles of every query head of the GQA group stream past
             in turn, so dk/dv are summed over the group in registers.
             dV += P^T dO, dK += dS^T Q (computed transposed: S^T = K Q^T).
-  fused_dq  (optional) no dq kernel: the dk/dv kernel also adds dQ += dS K into a
-            float32 buffer with TMA reductions. Fewer matmuls, but slower on the H200
-            at D = 128 (docs/benchmarks.md), so off by default.
+
+cfg is a flash_mosaic.BwdConfig; with cfg.overlap_bwd a step issues its two score
+products (S and dP) together and works on the first while the second runs.
 """
 from __future__ import annotations
 
@@ -28,19 +28,19 @@ from jaxllm.kernels.pallas.mosaic_common import LOG2E
 BWD_REGISTERS = {2: (240, 24), 1: (240, 40)}
 
 
-def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, interpret):
+def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, skv, offset, interpret):
     """dQ [B, Sq_p, Hq, D]: each warpgroup owns block_q_dq query rows, K/V tiles stream."""
     b, sq_p, hq, d = q.shape
     skv_p, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
-    bq, bk, stages, n_wg = bs.block_q_dq, bs.block_kv_dq, bs.num_stages_bwd, bs.compute_wgs_bwd
+    bq, bk, stages, n_wg = cfg.block_q_dq, cfg.block_kv_dq, cfg.num_stages_bwd, cfg.compute_wgs_bwd
     n_qt, n_kv = sq_p // (n_wg * bq), skv_p // bk
     stages = min(stages, n_kv)  # as in the forward: no ring deeper than the stream
     c = scale * LOG2E
     dtype = q.dtype
     sim = interpret
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    order = mg.TileSchedule(n_qt, hq, b, causal=causal, persistent=bs.persistent_dq,
+    order = mg.TileSchedule(n_qt, hq, b, causal=causal, persistent=cfg.persistent_dq,
                             sim=sim)
     # As in the forward: the next tile's Q, dO, LSE and delta load during this one.
     n_buf = 2 if order.multi and d <= 128 else 1
@@ -72,7 +72,7 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
             def step(s, dq, masked):
                 slot = slot_of(s)
                 plgpu.barrier_wait(k_bar.at[slot])
-                if bs.overlap_bwd:  # dO V^T runs while P is computed
+                if cfg.overlap_bwd:  # dO V^T runs while P is computed
                     plgpu.barrier_wait(v_bar.at[slot])
 
                     def then(sc, dp_fn):
@@ -147,35 +147,23 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, skv, offset, inter
                      name="flash_dq", interpret=interpret)(q, k, v, do, lse2, delta)
 
 
-def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpret):
+def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpret):
     """dK, dV [B, Skv_p, Hkv, D]: each warpgroup owns block_kv_dkv keys; the Q, dO, LSE
-    and delta tiles of every query head of the GQA group stream past them in turn.
-
-    With bs.fused_dq it also returns dQ / scale [B, Sq_p, Hq, D] in float32: each step's
-    dS goes through shared memory and dQ += dS K is added into a zeroed float32 buffer
-    by TMA reductions (FlashAttention-3's backward). At D = 128 with two warpgroups the
-    product is split along D: each warpgroup multiplies the whole CTA's dS (both
-    warpgroups' keys, published through a barrier) by its half of K's columns, so one
-    CTA adds each dQ element once a step; otherwise each warpgroup adds dS K over its
-    own keys. The simulator has no TMA reduction: there each CTA (and warpgroup, when
-    they do not split D) accumulates into a slice of its own, summed afterwards."""
+    and delta tiles of every query head of the GQA group stream past them in turn."""
     b, sq_p, hq, d = q.shape
     skv_p, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
-    bq, bk, stages, n_wg = bs.block_q_dkv, bs.block_kv_dkv, bs.num_stages_bwd, bs.compute_wgs_bwd
+    bq, bk = cfg.block_q_dkv, cfg.block_kv_dkv
+    stages, n_wg = cfg.num_stages_bwd, cfg.compute_wgs_bwd
     n_kt, n_q = skv_p // (n_wg * bk), sq_p // bq
     c = scale * LOG2E
     dtype = q.dtype
     sim = interpret
     col_layout = plgpu.Layout.WGMMA.reduce(0)
-    fuse = bs.fused_dq
-    split_d = fuse and n_wg == 2 and d == 128
-    dq_cols = d // n_wg if split_d else d
-    n_parts = 1 if split_d else n_wg  # the simulator's dQ slices a CTA
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, in_bar,
-               in_free, *fused_scratch):
+               in_free):
         bi, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
         kt = lax.axis_index("kv_seq")
         tile_base = kt * (n_wg * bk)
@@ -201,65 +189,9 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
             plgpu.barrier_wait(kv_bar.at[wg])
             key_ids = mg.iota((bk, bq), 0, sim) + (kv_base - offset)
 
-            if fuse:
-                ds_smem, dq_stage, *split_bars = fused_scratch
-                ds_bar, done_bar = split_bars if split_d else (None, None)
-                cols = pl.ds(wg * dq_cols if split_d else 0, dq_cols)
-                if split_d:  # this warpgroup multiplies every warpgroup's K tile
-                    for j in range(n_wg):
-                        pl.when(j != wg)(lambda j=j: plgpu.barrier_wait(kv_bar.at[j]))
-                if sim:
-                    part = kt * n_parts + (0 if split_d else wg)
-                    mine = dq_ref.at[part, bi, :, pl.ds(h * group, group), cols]
-                    mine[...] = jnp.zeros(mine.shape, jnp.float32)
-
-            def publish(dst16, buf):
-                """This warpgroup's dS^T into shared memory for the dQ product."""
-                ds_smem.at[buf, wg][...] = dst16
-                plgpu.commit_smem()
-                if split_d:
-                    plgpu.barrier_arrive(ds_bar.at[buf])
-
-            def dq_operands(buf):
-                """The (dS^T, K) pairs of this warpgroup's dQ product, once dS is whole."""
-                if split_d:
-                    plgpu.barrier_wait(ds_bar.at[buf])
-                    return [(ds_smem.at[buf, j], k_smem.at[j, :, cols]) for j in range(n_wg)]
-                return [(ds_smem.at[buf, wg], k_tile)]
-
-            def issue_dq(buf, acc_ref):
-                for a, b_ in dq_operands(buf):
-                    plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_)
-
-            def dq_product(buf):
-                """dQ (bq, dq_cols) = dS K over this CTA's keys (or this warpgroup's)."""
-                if sim:  # a^T b as arrays
-                    return sum(lax.dot_general(a[...], b_[...], (((0,), (0,)), ((), ())),
-                                               preferred_element_type=jnp.float32)
-                               for a, b_ in dq_operands(buf))
-
-                def scoped(acc_ref):
-                    issue_dq(buf, acc_ref)
-                    return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
-                return pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
-
-            def emit(dq, qh, t):
-                """dQ += this tile's product (TMA reduction into the float32 buffer)."""
-                rows = pl.ds(t * bq, bq)
-                if sim:
-                    tgt = dq_ref.at[part, bi, rows, qh, cols]
-                    tgt[...] = tgt[...] + dq
-                    return
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dq_stage.at[wg][...] = dq
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_ref.at[bi, rows, qh, cols],
-                                        reduction_op="add")
-
-            def step(t, carry, first, qh, masked):
+            def step(t, carry, first, masked):
                 dk, dv = carry
                 slot = lax.rem(first + t, jnp.int32(stages))
-                buf = lax.rem(first + t, jnp.int32(2)) if split_d else 0
                 plgpu.barrier_wait(in_bar.at[slot])
                 q_t, do_t = q_ring.at[slot], do_ring.at[slot]
                 lse = mg.load_vec(lse_ring.at[slot], col_layout, sim)
@@ -272,11 +204,10 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
                         pt = jnp.where(key_ids <= q_ids, pt, 0.0)
                     return pt
 
-                dq = None
-                if bs.overlap_bwd and not sim:
+                if cfg.overlap_bwd and not sim:
                     # S^T and dP^T issued together; P^T is computed while dP^T runs and
                     # dS^T while dV += P^T dO runs.
-                    def scoped(st_ref, dpt_ref, dv_ref, dk_ref, *dq_ref_acc):
+                    def scoped(st_ref, dpt_ref, dv_ref, dk_ref):
                         plgpu.wgmma(st_ref, k_tile, q_t.transpose((1, 0)))
                         plgpu.wgmma(dpt_ref, v_tile, do_t.transpose((1, 0)))
                         pt = probs(plgpu.wgmma_accumulator_load(st_ref, wait_n=1))
@@ -284,60 +215,36 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
                         plgpu.wgmma(dv_ref, pt.astype(dtype), do_t)
                         dpt = plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1)
                         dst = (pt * (dpt - mg.bcast_cols(delta, dpt.shape))).astype(dtype)
-                        if fuse:
-                            publish(dst, buf)
                         dk_ref[...] = dk
                         plgpu.wgmma(dk_ref, dst, q_t)
-                        dq = None
-                        if fuse:
-                            issue_dq(buf, dq_ref_acc[0])
-                            dq = plgpu.wgmma_accumulator_load(dq_ref_acc[0], wait_n=0)
                         return (plgpu.wgmma_accumulator_load(dk_ref, wait_n=0),
-                                plgpu.wgmma_accumulator_load(dv_ref, wait_n=0), dq)
+                                plgpu.wgmma_accumulator_load(dv_ref, wait_n=0))
                     shapes = [(bk, bq), (bk, bq), (bk, d), (bk, d)]
-                    if fuse:
-                        shapes.append((bq, dq_cols))
-                    dk, dv, dq = pl.run_scoped(
-                        scoped, *(plgpu.ACC(sh, jnp.float32) for sh in shapes))
+                    dk, dv = pl.run_scoped(scoped, *(plgpu.ACC(sh, jnp.float32) for sh in shapes))
                 else:  # each product awaited before the next (and the simulator)
                     pt = probs(mg.dot(k_tile, q_t, trans_b=True, sim=sim))
                     dv = mg.dot(pt.astype(dtype), do_t, acc=dv, a_ref=False, sim=sim)
                     dpt = mg.dot(v_tile, do_t, trans_b=True, sim=sim)
                     dst = (pt * (dpt - mg.bcast_cols(delta, dpt.shape))).astype(dtype)
-                    if fuse:
-                        publish(dst, buf)
                     dk = mg.dot(dst, q_t, acc=dk, a_ref=False, sim=sim)
-                    if fuse:
-                        dq = dq_product(buf)
                 plgpu.barrier_arrive(in_free.at[slot])
-                if fuse:
-                    emit(dq, qh, t)
                 return dk, dv
 
-            def skip(t, carry, first, qh):
+            def skip(t, carry, first):
                 slot = lax.rem(first + t, jnp.int32(stages))
                 plgpu.barrier_wait(in_bar.at[slot])
                 plgpu.barrier_arrive(in_free.at[slot])
-                if split_d:  # the other warpgroup's keys still add to this dQ half
-                    buf = lax.rem(first + t, jnp.int32(2))
-                    publish(mg.zeros((bk, bq), sim).astype(dtype), buf)
-                    emit(dq_product(buf), qh, t)
                 return carry
 
             def head(g, carry):
                 first = g * n_t - lo  # stream step of query tile t is first + t
-                qh = h * group + g
-                carry = lax.fori_loop(lo, lo_w, functools.partial(skip, first=first, qh=qh),
-                                      carry)
+                carry = lax.fori_loop(lo, lo_w, functools.partial(skip, first=first), carry)
                 carry = lax.fori_loop(lo_w, full_w, functools.partial(
-                    step, first=first, qh=qh, masked=True), carry)
+                    step, first=first, masked=True), carry)
                 return lax.fori_loop(full_w, n_q, functools.partial(
-                    step, first=first, qh=qh, masked=False), carry)
+                    step, first=first, masked=False), carry)
 
             dk, dv = lax.fori_loop(0, group, head, (mg.zeros((bk, d), sim), mg.zeros((bk, d), sim)))
-            if split_d:  # the other warpgroup's last dQ product has read this K tile
-                plgpu.barrier_arrive(done_bar)
-                plgpu.barrier_wait(done_bar)
             k_tile[...] = (dk * scale).astype(dtype)
             v_tile[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -378,29 +285,7 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, bs, offset, interpre
         plgpu.Barrier(num_arrivals=4, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
     ]
-    if fuse:
-        scratch += [
-            mg.smem((2 if split_d else 1, n_wg, bk, bq), dtype),  # dS^T, double-buffered
-            mg.smem((n_wg, bq, dq_cols), jnp.float32),  # dQ staged for the TMA reduction
-        ]
-        if split_d:  # dS published (per buffer); both warpgroups done with the K tiles
-            scratch += [plgpu.Barrier(num_arrivals=n_wg, num_barriers=2),
-                        plgpu.Barrier(num_arrivals=n_wg)]
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-    launch = functools.partial(mg.launch, grid=(n_kt, hkv, b),
-                               grid_names=("kv_seq", "heads", "batch"), compute_wgs=n_wg,
-                               name="flash_dkdv_dq" if fuse else "flash_dkdv",
-                               interpret=interpret)
-    args = (q, k, v, do, lse2, delta)
-    if not fuse:
-        return launch(lambda *refs: kernel(*refs[:6], None, *refs[6:]),
-                      [kv_type, kv_type], scratch)(*args)
-    if sim:
-        parts = jax.ShapeDtypeStruct((n_kt * n_parts,) + q.shape, jnp.float32)
-        dk, dv, dq_parts = launch(
-            lambda *refs: kernel(*refs[:6], refs[8], *refs[6:8], *refs[9:]),
-            [kv_type, kv_type, parts], scratch)(*args)
-        return dk, dv, dq_parts.sum(0)
-    dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-    dk, dv = launch(kernel, [kv_type, kv_type], scratch, with_refs=True)(*args, dq_acc)
-    return dk, dv, dq_acc[...]
+    return mg.launch(kernel, [kv_type, kv_type], scratch, grid=(n_kt, hkv, b),
+                     grid_names=("kv_seq", "heads", "batch"), compute_wgs=n_wg,
+                     name="flash_dkdv", interpret=interpret)(q, k, v, do, lse2, delta)

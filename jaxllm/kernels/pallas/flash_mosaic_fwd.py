@@ -1,7 +1,14 @@
 """Forward kernel of the Mosaic GPU FlashAttention (see flash_mosaic.py for the design):
 O and LSE, work items (q tile, Hq, B), K/V tiles streamed through a TMA ring.
 
-bs is a flash_mosaic.BlockSizes.
+Two schedules of the two compute warpgroups (cfg.schedule, a flash_mosaic.FwdConfig):
+  pingpong    the warpgroups take turns on a schedule barrier, so one's softmax runs
+              while the other's matmuls do; step j issues P_j V_j and Q K_{j+1}^T
+              together, so each warpgroup's two products reach the tensor pipe back to
+              back (FlashAttention-3's inter-warpgroup overlap).
+  overlapped  no barrier between them; step j issues Q K_j^T and P_{j-1} V_{j-1} and
+              runs the softmax of tile j while P V is in flight (FA3's intra-warpgroup
+              overlap, one more score tile of registers).
 """
 from __future__ import annotations
 
@@ -33,12 +40,13 @@ def tile_bytes(block_q: int, block_kv: int, stages: int, d: int, itemsize: int =
     return (q_buffers * N_WG * block_q + 2 * stages * block_kv) * d * itemsize
 
 
-def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
+def forward(q, k, v, *, causal, scale, cfg, skv, offset, interpret):
     """Padded q [B, Sq_p, Hq, D], k/v [B, Skv_p, Hkv, D] -> o, lse [B, Hq, Sq_p] (natural)."""
     b, sq_p, hq, d = q.shape
     skv_p, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
-    bq, bk, stages = bs.block_q, bs.block_kv, bs.num_stages
+    bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
+    pingpong = cfg.schedule == "pingpong"
     n_wg = N_WG
     n_qt, n_kv = sq_p // (n_wg * bq), skv_p // bk
     # A ring deeper than the stream would slice tiles past the keys while tracing the
@@ -46,35 +54,20 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     stages = min(stages, n_kv)
     n_kv_full_tail = skv // bk  # key tiles without padded keys
     c = scale * LOG2E
-    # the early K wait and the pinned softmax tail are options of the unchained step
-    chain = bs.chain_qk and not (bs.early_k_wait or bs.sum_before_sync)
     dtype = jnp.dtype(q.dtype)
-    # kv_multicast: CTAs in clusters of two, each K/V tile loaded once from L2 and
-    # multicast into both CTAs' rings (not simulated). The pair is two query heads of one
-    # GQA group on the same query tile (the same keys and, causal, the same number of key
-    # tiles) or, where the group is odd (MHA, for one), neighbouring query tiles of one
-    # head. The schedule deals the clusters' work items.
-    pair_heads = group % 2 == 0
-    mc = 2 if (bs.kv_multicast and not interpret and (pair_heads or n_qt % 2 == 0)) else 1
-    item_rows = n_wg * bq if pair_heads else mc * n_wg * bq
-    order = mg.TileSchedule(n_qt if pair_heads else n_qt // mc,
-                            hq // mc if pair_heads else hq, b, causal=causal,
-                            persistent=bs.persistent, sim=interpret, cluster=mc)
+    order = mg.TileSchedule(n_qt, hq, b, causal=causal, persistent=cfg.persistent,
+                            sim=interpret)
     # A program that runs several tiles double-buffers Q (the next tile's Q loads during
     # this one) where shared memory allows: not at D = 256, nor beside a ring of
     # 192-key tiles at D = 128.
     fits_two = tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=2) <= mg.SMEM_BUDGET
     n_qbuf = 2 if order.multi and fits_two else 1
-    # fixed_max: the pipelined schedules (the chained ping-pong, the overlapped one),
-    # without clusters, with scale > 0 (its paths mask the raw scores and scale them
-    # inside exp2, as the running max does only then: masked -inf times c <= 0 is not
-    # -inf), where a flag per tile and warpgroup fits in shared memory: the
-    # flags, their barrier and the reduction scratch, each rounded up to 128 bytes, and
-    # 1 KiB more (SMEM_BUDGET's margin goes to the ring's barriers and the LSE; 192-key
-    # tiles at D = 128 leave no room).
+    # fixed_max needs scale > 0 (its paths mask the raw scores and scale them inside
+    # exp2: masked -inf times c <= 0 is not -inf) and room beside the tiles for a flag per
+    # tile and warpgroup, its barrier, the reduction scratch and 1 KiB to spare.
     max_tiles = -(-order.n_items // order.programs)
     flag_bytes = mg.round_up(n_wg * max_tiles * 4, 128) + 128 + mg.round_up(FLAG_SCRATCH, 128)
-    fixed_max = (bs.fixed_max and (bs.overlap_softmax or chain) and mc == 1 and c > 0 and
+    fixed_max = (cfg.fixed_max and c > 0 and
                  tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=n_qbuf)
                  + flag_bytes + 1024 <= mg.SMEM_BUDGET)
 
@@ -88,19 +81,11 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
             def flagged(i):  # a row of tile i overflowed in either warpgroup's slab
                 return sum(flags[i, w] for w in range(n_wg)) > 0
 
-        rank = lax.axis_index("cluster") if mc > 1 else 0
+        coords = functools.partial(order.query_tile, pid, rows=n_wg * bq, bk=bk, n_kv=n_kv,
+                                   offset=offset)
 
-        def coords(i):
-            """The CTA's tile: its rank's head of the cluster's pair of heads, or its
-            rank's half of the cluster's query rows; both CTAs share one stream."""
-            bi, h, first, n_steps = order.query_tile(pid, i, rows=item_rows, bk=bk,
-                                                     n_kv=n_kv, offset=offset)
-            if pair_heads:
-                return bi, h * mc + rank, first, n_steps
-            return bi, h, first + rank * (n_wg * bq), n_steps
-
-        def sync():
-            if bs.schedule_barrier:
+        def sync():  # one ping-pong rendezvous (none in the overlapped schedule)
+            if pingpong:
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(sched)
 
@@ -140,44 +125,6 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                     p = jnp.exp2(sc - mg.bcast_rows(m_use, sc.shape))
                 return p, m_new, alpha
 
-            # The bound of the early K wait, traced (causal) or a Python int: a concrete
-            # array closed over by the wgmma's `during` region fails to lower (jax 0.11).
-            k_wait_limit = my_steps if causal else n_kv
-
-            def wait_next_k(s):
-                if bs.early_k_wait:
-                    nxt = s + 1
-                    pl.when(nxt < k_wait_limit)(
-                        lambda: plgpu.barrier_wait(k_bar.at[slot_of(nxt)]))
-
-            def step(s, carry, masked):
-                acc, m, l = carry
-                slot = slot_of(s)
-                if not bs.early_k_wait:
-                    plgpu.barrier_wait(k_bar.at[slot])
-
-                sc = mg.dot(q_tile, k_smem.at[slot], trans_b=True, sim=interpret, during=sync)
-                plgpu.barrier_arrive(k_free.at[slot])
-                p, m_new, alpha = softmax(s, sc, m, masked)
-                acc = acc * mg.bcast_rows(alpha, acc.shape)
-                l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                if bs.sum_before_sync:
-                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                if bs.schedule_barrier:
-                    plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(v_bar.at[slot])
-                if bs.schedule_barrier:
-                    plgpu.barrier_wait(sched)
-                acc = mg.dot(p16, v_smem.at[slot], acc=acc, a_ref=False, sim=interpret,
-                             during=functools.partial(wait_next_k, s) if bs.early_k_wait
-                             else None)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l
-
-            # overlap_softmax: tile 0 runs QK + softmax alone, step j (>= 1) issues QK_j
-            # and PV_{j-1} together and runs softmax j under PV_{j-1}, the last PV runs
-            # alone. Two schedule-barrier rendezvous per tile, as in `step`.
             def scores0():
                 """Q K_0^T, one rendezvous while it runs; K_0's slot released."""
                 slot = slot_of(0)
@@ -186,12 +133,14 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 plgpu.barrier_arrive(k_free.at[slot])
                 return sc
 
+            # overlapped: tile 0 runs Q K^T and its softmax alone, step j (>= 1) issues
+            # Q K_j^T and P_{j-1} V_{j-1} together and runs softmax j under P V, the last
+            # P V runs alone.
             def first(carry):
                 acc, m, l = carry
                 sc = scores0()
                 p, m, alpha = softmax(0, sc, m, masked=True)
                 l = l * alpha + p.sum(axis=1)
-                sync()
                 return acc, m, l, p.astype(dtype)
 
             # a row that sees no key keeps a shift of 0 (its l stays 0, so its LSE is -inf)
@@ -208,13 +157,11 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                     plgpu.barrier_arrive(k_free.at[slot])
                     p, m_new, alpha = softmax(s, sc, m, masked, keep_max=fixed)
                     l_new = (l if fixed else l * alpha) + p.sum(axis=1)
-                    p16 = p.astype(dtype)
-                    sync()
-                    return p16, m_new, l_new, alpha
+                    return p.astype(dtype), m_new, l_new, alpha
 
                 acc, (p16, m, l, alpha) = mg.dot_overlapped(
                     q_tile, k_smem.at[slot], p_prev, v_smem.at[prev], acc, between,
-                    sim=interpret, during=sync)
+                    sim=interpret)
                 plgpu.barrier_arrive(v_free.at[prev])
                 if not fixed:
                     acc = acc * mg.bcast_rows(alpha, acc.shape)
@@ -239,10 +186,9 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                                       functools.partial(step_overlapped, masked=True), carry)
                 return last(carry)
 
-            # chain_qk (the ping-pong schedule): step j runs the softmax of tile j, then
-            # issues P_j V_j and Q K_{j+1}^T together, so this warpgroup's two products
-            # reach the tensor pipe back to back (in `step`, Q K_{j+1}^T waits until P_j V_j
-            # is done and the next step has begun). The same two rendezvous a tile.
+            # pingpong: step j runs the softmax of tile j, hands the turn over, then issues
+            # P_j V_j and Q K_{j+1}^T together (P V first: P's registers are then formed
+            # before either wgmma, so ptxas need not serialise them). Two rendezvous a tile.
             def chain_softmax(s, carry, masked):
                 acc, m, l, sc = carry
                 p, m_new, alpha = softmax(s, sc, m, masked, keep_max=fixed)
@@ -252,8 +198,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 return acc, m_new, l * alpha + p.sum(axis=1), p.astype(dtype)
 
             def arrive_wait_v(slot):  # the softmax is done: hand over, then wait for V
-                if bs.schedule_barrier:
-                    plgpu.barrier_arrive(sched)
+                plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
 
             def chain_step(s, carry, masked):
@@ -261,8 +206,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 slot, nxt = slot_of(s), slot_of(s + 1)
                 arrive_wait_v(slot)
                 plgpu.barrier_wait(k_bar.at[nxt])
-                if bs.schedule_barrier:
-                    plgpu.barrier_wait(sched)
+                plgpu.barrier_wait(sched)
                 acc, sc = mg.dot_pv_qk(p16, v_smem.at[slot], acc, q_tile, k_smem.at[nxt],
                                        sim=interpret, during=sync)
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -275,8 +219,7 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
                 acc, m, l, p16 = chain_softmax(s, carry, masked=True)
                 slot = slot_of(s)
                 arrive_wait_v(slot)
-                if bs.schedule_barrier:
-                    plgpu.barrier_wait(sched)
+                plgpu.barrier_wait(sched)
                 acc = mg.dot(p16, v_smem.at[slot], acc=acc, a_ref=False, sim=interpret)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m, l
@@ -296,42 +239,25 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
 
             def skip(s, _):
                 # A tile the other warpgroup needs: release the slot, keep the ping-pong.
-                # The overlapped pipeline releases V one tile late (after two more
-                # rendezvous), so there the rendezvous come before waiting for V.
                 slot = slot_of(s)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
-                if bs.overlap_softmax:
-                    sync()
-                    sync()
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
-                if not bs.overlap_softmax:
-                    sync()
-                    sync()
+                sync()
+                sync()
                 return _
 
             row_layout = plgpu.Layout.WGMMA.reduce(1)
             carry = (mg.zeros((bq, d), interpret),
                      mg.layout(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout, interpret),
                      mg.layout(jnp.zeros((bq,), jnp.float32), row_layout, interpret))
-            if bs.early_k_wait and not bs.overlap_softmax:
-                pl.when(k_wait_limit > 0)(lambda: plgpu.barrier_wait(k_bar.at[slot_of(0)]))
             pl.when(wg == 1)(sync)
-            if bs.overlap_softmax:
-                if causal:  # a slab that sees no key (Sq > Skv) skips the pipeline
-                    acc, m, l = lax.cond(my_steps > 0, overlapped, lambda c: c, carry)
-                else:
-                    acc, m, l = overlapped(carry)
-            elif chain:
-                if causal:  # a slab that sees no key (Sq > Skv) skips the pipeline
-                    acc, m, l = lax.cond(my_steps > 0, chained, lambda c: c, carry)
-                else:
-                    acc, m, l = chained(carry)
+            pipeline = chained if pingpong else overlapped
+            if causal:  # a slab that sees no key (Sq > Skv) skips the pipeline
+                acc, m, l = lax.cond(my_steps > 0, pipeline, lambda c: c, carry)
             else:
-                carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-                acc, m, l = lax.fori_loop(n_full, my_steps,
-                                          functools.partial(step, masked=True), carry)
+                acc, m, l = pipeline(carry)
             lax.fori_loop(my_steps, n_steps, skip, None)
             pl.when(wg == 0)(sync)
 
@@ -383,21 +309,17 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
 
             mg.produce_kv_tiles(n_mine, stages, coords, group, bk,
                                 (k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free),
-                                collective="cluster" if mc > 1 else None,
                                 redo=(lambda: plgpu.barrier_wait(flags_bar), flagged)
                                 if fixed_max else None)
 
-    # a multicast slot is free once the consumers of both CTAs have released it
-    free_barrier = (plgpu.Barrier if mc == 1 else
-                    functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",)))
     scratch = [
         mg.smem((n_qbuf, n_wg, bq, d), dtype),
         mg.smem((stages, bk, d), dtype), mg.smem((stages, bk, d), dtype),
         plgpu.SMEM((n_wg, bq), jnp.float32),
         plgpu.Barrier(num_barriers=n_qbuf * n_wg),
         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-        free_barrier(num_arrivals=n_wg, num_barriers=stages),
-        free_barrier(num_arrivals=n_wg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg),
     ]
     if fixed_max:  # a flag per tile and warpgroup; the compute warpgroups' last tile done
@@ -405,5 +327,5 @@ def forward(q, k, v, *, causal, scale, bs, skv, offset, interpret):
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((b, hq, sq_p), jnp.float32)]
     return mg.launch(kernel, out_type, scratch, grid=(order.programs,), grid_names=("programs",),
-                     compute_wgs=n_wg, name="flash_fwd", interpret=interpret, cluster=mc,
+                     compute_wgs=n_wg, name="flash_fwd", interpret=interpret,
                      reduction_scratch=FLAG_SCRATCH if fixed_max else 0)(q, k, v)

@@ -59,10 +59,9 @@ class BlockSizes:
                 raise ValueError(f"{f.name}={val!r} must be a positive int")
 
 
-# Tuned on the H200 (bf16, B=4 S=4096 Hq=32 Hkv=8; benchmarks/attention.py --tune), keyed by
-# the bytes of one tile row in 2-byte units: the padded head dim for bf16/f16, twice it for
-# f32, whose tiles must shrink to fit shared memory (228 KiB a block on Hopper). Other
-# devices use the same table.
+# The fastest tiles measured on the H200 (docs/performance.md), keyed by the bytes of one
+# tile row in 2-byte units: the padded head dim for bf16/f16, twice it for f32, whose
+# tiles must shrink to fit shared memory. Other devices use the same table.
 _TUNED = {
     64: BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=3,
                    block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
@@ -392,6 +391,14 @@ def _block_sizes(head_dim: int, itemsize: int, kwargs: dict) -> BlockSizes:
     return dataclasses.replace(bs, **kwargs)
 
 
+def unsupported_reason(q, k, v) -> str | None:
+    """None when the kernels can run these inputs, else why not (for `impl="auto"`)."""
+    d = q.shape[-1]
+    if d > 256:
+        return f"head_dim={d} is not supported by pallas_triton (at most 256)"
+    return None
+
+
 def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
                              interpret: bool | None = None, **kwargs):
     """(o [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] float32, natural log); both differentiable.
@@ -399,9 +406,10 @@ def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | 
     kwargs: `block_sizes=BlockSizes(...)` and/or any of its fields (e.g. block_q=64).
     Rows that see no key (causal, Sq > Skv) give o = 0 and lse = -inf.
     """
+    why = unsupported_reason(q, k, v)
+    if why:
+        raise ValueError(why)
     d = q.shape[-1]
-    if d > 256:
-        raise ValueError(f"head_dim={d} is not supported by pallas_triton (at most 256)")
     if q.ndim != 4 or k.shape != v.shape or q.shape[2] % k.shape[2]:
         raise ValueError(f"expected q [B, Sq, Hq, D], k = v [B, Skv, Hkv, D] with Hq % Hkv == 0;"
                          f" got q{q.shape} k{k.shape} v{v.shape}")

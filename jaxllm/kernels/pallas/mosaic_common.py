@@ -241,12 +241,10 @@ def produce(n_steps, stages, groups):
             plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
 
 
-def produce_steps(base, n_steps, stages, groups, collective=None):
+def produce_steps(base, n_steps, stages, groups):
     """Producer of a persistent program: the n_steps tiles of one work item go to ring
     steps base, base + 1, ... (slot = step % stages); from step `stages` on a slot is
-    reused once its consumers have freed it. groups as in `produce`; `collective`: the
-    cluster axis the copies are multicast along (their free barriers then count the
-    consumers of every CTA of the cluster)."""
+    reused once its consumers have freed it. groups as in `produce`."""
     @pl.loop(0, n_steps)
     def _(s):
         step = base + s
@@ -254,8 +252,7 @@ def produce_steps(base, n_steps, stages, groups, collective=None):
         for loaded, free, copies in groups:
             pl.when(step >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
             for src_fn, ring in copies:
-                plgpu.copy_gmem_to_smem(src_fn(s), ring.at[slot], loaded.at[slot],
-                                        collective_axes=collective)
+                plgpu.copy_gmem_to_smem(src_fn(s), ring.at[slot], loaded.at[slot])
 
 
 def drain(total, stages, frees):
@@ -267,12 +264,11 @@ def drain(total, stages, frees):
             plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
 
 
-def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams, collective=None,
-                     redo=None):
+def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams, redo=None):
     """Producer of a query-tiled program (forward, dq): coords(i) -> (batch, head, _,
     steps) of its tile i, whose key tiles of kv head head // group stream through
     each of `streams`: (GMEM ref [B, S, Hkv, D], ring, loaded barriers, free barriers).
-    Tile i's steps follow tile i - 1's on the ring; `collective` as in produce_steps.
+    Tile i's steps follow tile i - 1's on the ring.
 
     redo: None, or (wait, again): after the last tile, wait() and then stream once more
     the tiles i with again(i) true, in order (the consumers' second pass, see
@@ -283,7 +279,7 @@ def produce_kv_tiles(n_tiles, stages, coords, group, bk, *streams, collective=No
         groups = [(loaded, free, [(lambda s, ref=ref: ref.at[bi, pl.ds(s * bk, bk), kv_h],
                                    ring)])
                   for ref, ring, loaded, free in streams]
-        produce_steps(base, n_steps, stages, groups, collective)
+        produce_steps(base, n_steps, stages, groups)
         return base + n_steps
     total = lax.fori_loop(0, n_tiles, tile, jnp.int32(0))
     if redo is not None:
@@ -346,16 +342,15 @@ class TileSchedule:
 
     Plain: one program per tile, tile index fastest (the CTAs running together share
     K/V heads in L2); when causal the last tiles (most keys) come first. Persistent: one
-    program per SM, or per `cluster` SMs for programs that are clusters of CTAs (2
-    programs under the simulator, so each runs several), program pid running tiles pid,
-    pid + programs, ... of the same order. Causal work grows with the tile
+    program per SM (2 programs under the simulator, so each runs several), program pid
+    running tiles pid, pid + programs, ... of the same order. Causal work grows with the tile
     index, so there a static split is balanced another way: all heads' heaviest tiles
     first, dealt in rounds of alternating direction (round r to programs 0..P-1, round
     r + 1 to P-1..0), which evens out each program's total.
     """
 
     def __init__(self, n_t: int, heads: int, batch: int, *, causal: bool,
-                 persistent: bool, sim: bool, sms: int | None = None, cluster: int = 1):
+                 persistent: bool, sim: bool, sms: int | None = None):
         self.n_t, self.heads, self.causal = n_t, heads, causal
         self.snake = causal and persistent
         self.n_items = n_t * heads * batch
@@ -363,7 +358,7 @@ class TileSchedule:
         if persistent:
             if sms is None:
                 sms = 2 if sim else int(getattr(jax.devices()[0], "core_count", 0) or 132)
-            self.programs = min(self.n_items, sms // cluster)  # programs of `cluster` CTAs
+            self.programs = min(self.n_items, sms)
         self.multi = self.programs < self.n_items  # some program runs several tiles
 
     def count(self, pid):
@@ -420,32 +415,11 @@ def interpret_params(interpret):
 
 
 def launch(body, out_type, scratch, *, grid, grid_names, compute_wgs, name, interpret,
-           with_refs=False, reduction_scratch=None, cluster=1):
+           reduction_scratch=None):
     """A warp-specialised kernel: `compute_wgs` compute warpgroups and one producer, the
     thread axis named "wg"; body(*inputs, *outputs, *scratch) as for plgpu.kernel.
-
-    with_refs: the call may also take JAX refs (`jax.new_ref`), which the kernel reads
-    and writes in place (aliased in and out). plgpu.kernel does not take refs, so this
-    goes through pl.kernel on a plgpu.Mesh; compiled kernels only (the simulator aliases
-    nothing). reduction_scratch: see compiler_params."""
-    params = compiler_params(reduction_scratch)
-    if with_refs and cluster > 1:
-        raise ValueError("clusters are not supported together with refs")
-    # cluster > 1: CTAs in clusters of `cluster` along a "cluster" axis (beside the grid)
-    clusters = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
-    if not with_refs:
-        return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
-                            grid_names=grid_names, num_threads=compute_wgs + 1, **clusters,
-                            thread_name="wg", kernel_name=name,
-                            compiler_params=params,
-                            interpret=interpret_params(interpret))
-    if interpret:
-        raise ValueError("the Mosaic GPU simulator does not alias refs into kernels")
-    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=compute_wgs + 1,
-                      thread_name="wg")
-
-    def with_scratch(*refs):
-        pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg")
-
-    return pl.kernel(with_scratch, out_type=out_type, mesh=mesh,
-                     compiler_params=params, name=name)
+    reduction_scratch: see compiler_params."""
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
+                        grid_names=grid_names, num_threads=compute_wgs + 1, thread_name="wg",
+                        kernel_name=name, compiler_params=compiler_params(reduction_scratch),
+                        interpret=interpret_params(interpret))
