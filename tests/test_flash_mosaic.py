@@ -244,20 +244,6 @@ def test_bad_inputs_raise():
         flash_mosaic.flash_attention(q, q, q, fwd=dict(block_kv=64))
 
 
-def test_auto_skips_unsupported_inputs(monkeypatch):
-    # With pallas_mosaic first in the auto order, inputs it cannot take go to the next impl.
-    import jaxllm.kernels as kernels
-    monkeypatch.setattr(kernels, "_flash_auto_order", lambda: ["pallas_mosaic", "reference"])
-    q, k, v, *_ = flash_inputs(1, 1, 8, 8, 2, 1, 96, True, jnp.float32)
-    fn = kernels._pick(kernels._FLASH_TABLE, "auto", kernels.FLASH_IMPLS,
-                       kernels._flash_auto_order, (q, k, v))
-    assert fn is reference.flash_attention
-    qb = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
-    fn = kernels._pick(kernels._FLASH_TABLE, "auto", kernels.FLASH_IMPLS,
-                       kernels._flash_auto_order, (qb, qb[:, :, :1], qb[:, :, :1]))
-    assert fn is flash_mosaic.flash_attention
-
-
 _GPU_SHAPES = {"gqa4_d128": (2, 1024, 1024, 8, 2, 128),
                "mqa_d64_sq_lt_skv": (1, 1000, 2500, 8, 1, 64),
                "mha_d256": (1, 777, 777, 4, 4, 256),
