@@ -120,3 +120,19 @@ def test_paged_decode_matches_contiguous(kv, page):
     want, _ = _step(params, block, contig, pos)
     got, _ = _step(params, block, PagedCache(pool.k, pool.v, tables), pos)
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_matmul_impl_picks_the_fused_rows():
+    """inference.matmul_impl decides once, in decode_params, whether one-row steps take the
+    fused decode matmuls; an explicit choice they cannot take is an error."""
+    fits = ["model.n_heads=2", "model.n_kv_heads=1"]  # head_dim 32: the kernels take it
+    model, cfg = _model(*fits, "inference.matmul_impl=pallas_triton")
+    assert decode_params(model, cfg).fused_rows == 1
+    model, cfg = _model(*fits)  # auto: XLA's matmuls on the CPU
+    assert decode_params(model, cfg).fused_rows == 0
+    model, cfg = _model(*fits, "model.qkv_bias=true", "inference.matmul_impl=pallas_triton")
+    with pytest.raises(ValueError, match="no q/k/v bias"):
+        decode_params(model, cfg)
+    model, cfg = _model("inference.matmul_impl=pallas_triton")  # head_dim 16
+    with pytest.raises(ValueError, match="head_dim / 2"):
+        decode_params(model, cfg)

@@ -75,10 +75,9 @@ def _layer(blk: dict) -> LayerParams:
         down=_out_major(mlp["down"]["kernel"]))
 
 
-def _fused_rows(cfg: Config) -> int:
-    """FUSED_ROWS when inference.matmul_impl picks the fused decode matmuls for every
-    projection of a layer, else 0. An explicit pick they cannot take raises."""
-    m, impl = cfg.model, cfg.inference.matmul_impl
+def _fused_rows(m: ModelConfig, impl: str) -> int:
+    """FUSED_ROWS when `impl` (inference.matmul_impl) picks the fused decode matmuls for
+    every projection of a layer, else 0. An explicit pick they cannot take raises."""
     if m.qkv_bias:
         if impl == "pallas_triton":
             raise ValueError("inference.matmul_impl='pallas_triton': the fused decode "
@@ -97,11 +96,13 @@ def _fused_rows(cfg: Config) -> int:
 def decode_params(model, cfg: Config, *, fused_rows: int | None = None) -> DecodeParams:
     """The decode program's parameters for a trained `model` (left as it is).
 
+    The model's own config shapes the program; `cfg` gives the inference options.
     `fused_rows` overrides the row limit of the fused decode matmuls (tests use it to run
     them on steps of several rows); by default it follows inference.matmul_impl.
     """
     state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    fused_rows = _fused_rows(cfg) if fused_rows is None else fused_rows
+    if fused_rows is None:
+        fused_rows = _fused_rows(model.cfg, cfg.inference.matmul_impl)
     return _convert(state, model.cfg, fused_rows)
 
 
