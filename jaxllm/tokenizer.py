@@ -1,7 +1,10 @@
 """Tokenizers: bytes by default (no files, no download); Hugging Face `tokenizer.json` too.
 
-Both expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, `eos_id`,
-`bos_id` (None when absent) and `stream_decoder()` for printing text as tokens arrive.
+Both expose `encode(text) -> list[int]` (the text alone: training documents),
+`encode_prompt(text)` (what the model is fed for a prompt: with an HF tokenizer the ids
+transformers gives), `decode(ids) -> str`, `vocab_size`, `eos_id`, `eos_ids` (the ids that
+end a generation), `bos_id` (None when absent) and `stream_decoder()` for printing text as
+tokens arrive.
 """
 from __future__ import annotations
 
@@ -21,9 +24,12 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     @property
-    def prompt_prefix(self) -> list[int]:
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    def encode_prompt(self, text: str) -> list[int]:
         """Training documents follow an EOS, so a prompt starts a document the same way."""
-        return [self.eos_id]
+        return [self.eos_id] + self.encode(text)
 
     def encode_bytes(self, data: bytes):
         import numpy as np
@@ -39,15 +45,21 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` through the `tokenizers` library.
+    """A `tokenizer.json` through the `tokenizers` library, giving transformers' ids.
 
-    BOS/EOS are the tokens given, else those of a `tokenizer_config.json` beside the file,
-    else the ids of a model `config.json` beside it (bos_token_id, eos_token_id).
+    `encode_prompt(text)` equals `AutoTokenizer(...)(text).input_ids`: the tokenizer.json
+    post-processor adds the special tokens, and nothing else does (transformers ignores
+    tokenizer_config.json's `add_bos_token` / `add_eos_token` when a tokenizer.json is
+    there; without a post-processor no BOS is added). `decode` is transformers'
+    `decode(ids, skip_special_tokens=True)`. BOS/EOS are the tokens given, else those of
+    tokenizer_config.json, else the ids of config.json. `eos_ids` are the ids that end a
+    generation, as transformers' `generate` reads them: generation_config.json's
+    eos_token_id (one or a list), else config.json's, else EOS.
     """
 
     def __init__(self, path: str | Path, bos_token: str | None = None,
                  eos_token: str | None = None):
-        from tokenizers import Tokenizer
+        from tokenizers import AddedToken, Tokenizer
 
         path = Path(path)
         if path.is_dir():
@@ -56,22 +68,44 @@ class HFTokenizer:
             raise ValueError(f"tokenizer file {str(path)!r} does not exist")
         self.name = str(path)
         self._tok = Tokenizer.from_file(str(path))
+        folder = path.parent
+        self.config = _read_json(folder / "tokenizer_config.json")
+        model_config = _read_json(folder / "config.json")
+        named = {k: _content(self.config.get(k)) for k in SPECIAL_KEYS}
+        named["bos_token"] = bos_token or named["bos_token"]
+        named["eos_token"] = eos_token or named["eos_token"]
+        self.special_tokens = {k: t for k, t in named.items() if t}  # name -> text
+        # transformers registers every named special token as a special added token
+        extra = [_content(t) for t in self.config.get("additional_special_tokens") or []]
+        have = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                      for t in [*named.values(), *extra]
+                                      if t and t not in have])
         self.vocab_size = self._tok.get_vocab_size()
-        self.bos_id, self.eos_id = _special_ids(self._tok, path.parent)
-        if bos_token:
-            self.bos_id = self._tok.token_to_id(bos_token)
-        if eos_token:
-            self.eos_id = self._tok.token_to_id(eos_token)
+        self.bos_id, self.eos_id = (
+            self._tok.token_to_id(named[k]) if named[k] else _first(model_config.get(k + "_id"))
+            for k in ("bos_token", "eos_token"))
+        generation = _read_json(folder / "generation_config.json")
+        eos = generation.get("eos_token_id", model_config.get("eos_token_id"))
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids = tuple(eos) if eos else (() if self.eos_id is None else (self.eos_id,))
+        self._clean_up = (bool(self.config.get("clean_up_tokenization_spaces", False))
+                          and type(self._tok.model).__name__ != "BPE")  # as transformers
 
     def encode(self, text: str) -> list[int]:
+        """The text's ids alone (no special tokens added): training documents."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    @property
-    def prompt_prefix(self) -> list[int]:
-        return [] if self.bos_id is None else [self.bos_id]
+    def encode_prompt(self, text: str) -> list[int]:
+        """The ids transformers feeds the model for `text` (special tokens added)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        text = self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        if self._clean_up:
+            for a, b in _CLEAN_UP:
+                text = text.replace(a, b)
+        return text
 
     def stream_decoder(self):
         """Decode the growing sequence and return what was added (handles merged pieces)."""
@@ -89,26 +123,26 @@ class HFTokenizer:
         return step
 
 
-def _special_ids(tok, folder: Path) -> tuple[int | None, int | None]:
-    """(bos, eos) ids from HF's tokenizer_config.json, else config.json, in `folder`."""
-    import json
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                "mask_token")
+# transformers' clean_up_tokenization (applied to non-BPE models that ask for it)
+_CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+             (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
-    if (folder / "tokenizer_config.json").exists():
-        c = json.loads((folder / "tokenizer_config.json").read_text())
-        ids = []
-        for key in ("bos_token", "eos_token"):
-            token = c.get(key)
-            token = token.get("content") if isinstance(token, dict) else token
-            ids.append(tok.token_to_id(token) if token else None)
-        if c.get("add_bos_token") is False:  # the model is not fed a BOS
-            ids[0] = None
-        return ids[0], ids[1]
-    if (folder / "config.json").exists():
-        c = json.loads((folder / "config.json").read_text())
-        first = [v[0] if isinstance(v, list) and v else v
-                 for v in (c.get("bos_token_id"), c.get("eos_token_id"))]
-        return tuple(v if isinstance(v, int) else None for v in first)
-    return None, None
+
+def _read_json(path: Path) -> dict:
+    import json
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _content(token):
+    """A special token of tokenizer_config.json: a string or an AddedToken dict."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _first(v):
+    v = v[0] if isinstance(v, list) and v else v
+    return v if isinstance(v, int) else None
 
 
 def load_tokenizer(spec: str = "byte"):

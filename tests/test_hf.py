@@ -185,7 +185,7 @@ def test_unsupported_config_is_a_clear_error(change, message, tmp_path):
 
 
 def test_cli_generates_like_transformers(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     text = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
             "all that glitters is not gold; fortune favours the bold.\n")
@@ -198,12 +198,15 @@ def test_cli_generates_like_transformers(tmp_path):
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     ref_model = _hf_model("llama_gqa", tmp_path, seed=5, vocab=vocab, bos_token_id=bos,
                           eos_token_id=eos)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", bos)])
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+        {"bos_token": "<s>", "eos_token": "</s>"}))
 
     prompt = "the lazy fox"
-    ids = [bos] + tok.encode(prompt, add_special_tokens=False).ids
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path)(prompt).input_ids
+    assert ids[0] == bos
     with torch.no_grad():
         out = ref_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12,
                                  eos_token_id=eos)[0, len(ids):].tolist()

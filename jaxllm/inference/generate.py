@@ -22,7 +22,7 @@ from jaxllm.config import Config
 from jaxllm.inference.params import DecodeParams, decode_params
 from jaxllm.inference.sampling import sample
 from jaxllm.inference.speculative import resolve_draft, speculative_generate_ids
-from jaxllm.inference.step import forward, init_cache, pad_prompts, round_up
+from jaxllm.inference.step import eos_ids, forward, init_cache, is_eos, pad_prompts, round_up
 
 
 @dataclass
@@ -62,7 +62,7 @@ def decode_chunk(params: DecodeParams, cache, token, pos, done, key, *, steps, t
         logits, cache, _ = forward(params, token[:, None], cache, pos)
         nxt = sample(logits[:, 0], sub, temperature, top_k, top_p)
         emitted = jnp.where(done, -1, token)
-        done = done | (token == eos_id) if eos_id is not None else done
+        done = done | is_eos(token, eos_id)
         return (cache, nxt, pos + 1, done, key), emitted
 
     (cache, token, pos, done, key), out = jax.lax.scan(step, (cache, token, pos, done, key),
@@ -72,11 +72,12 @@ def decode_chunk(params: DecodeParams, cache, token, pos, done, key, *, steps, t
 
 def generate_ids(params: DecodeParams, prompts: list[list[int]], *, max_new_tokens: int,
                  temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 eos_id: int | None = None, chunk: int = 16,
+                 eos_id: int | tuple[int, ...] | None = None, chunk: int = 16,
                  on_tokens: Callable[[np.ndarray], None] | None = None,
                  warmup: bool = True, overlap: bool = True) -> tuple[list[list[int]], dict]:
     """Generate up to `max_new_tokens` ids per prompt. Returns (ids per prompt, timings).
 
+    A row stops at `eos_id`, or at any of several ids (a tuple).
     `on_tokens(ids (B, n))` is called with every newly generated block (-1 after a row's
     end), for streaming. With `warmup`, both functions are compiled before timing starts.
 
@@ -88,6 +89,7 @@ def generate_ids(params: DecodeParams, prompts: list[list[int]], *, max_new_toke
     tokens have reached the host.
     """
     b = len(prompts)
+    eos_id = eos_ids(eos_id)
     tokens, lengths = pad_prompts(prompts)
     cache_len = round_up(tokens.shape[1] + max_new_tokens + chunk, 64)
     opts = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
@@ -130,7 +132,7 @@ def generate_ids(params: DecodeParams, prompts: list[list[int]], *, max_new_toke
         n_steps += emitted.shape[1]
         blocks.append(emitted)
         if on_tokens is not None:
-            on_tokens(np.where(emitted == eos_id, -1, emitted) if eos_id is not None else emitted)
+            on_tokens(np.where(np.isin(emitted, eos_id), -1, emitted))
         if bool(done.all()):  # every row has emitted EOS
             break
     t_end = time.perf_counter()
@@ -141,7 +143,7 @@ def generate_ids(params: DecodeParams, prompts: list[list[int]], *, max_new_toke
         row = row.tolist()
         cut = len(row)
         for j, t in enumerate(row):
-            if t < 0 or (eos_id is not None and t == eos_id):
+            if t < 0 or t in eos_id:
                 cut = j
                 break
         ids.append(row[:cut])
@@ -176,7 +178,7 @@ def generate(model, cfg: Config, prompts: list[str], *, max_new_tokens: int | No
     tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer)
     if isinstance(prompts, str):
         prompts = [prompts]
-    ids = [tokenizer.prompt_prefix + tokenizer.encode(p) for p in prompts]
+    ids = [tokenizer.encode_prompt(p) for p in prompts]
     max_new_tokens = inf.max_new_tokens if max_new_tokens is None else max_new_tokens
     longest = max(len(i) for i in ids) + max_new_tokens
     if longest > cfg.model.max_seq_len:
@@ -192,7 +194,7 @@ def generate(model, cfg: Config, prompts: list[str], *, max_new_tokens: int | No
         temperature=inf.temperature if temperature is None else temperature,
         top_k=inf.top_k if top_k is None else top_k,
         top_p=inf.top_p if top_p is None else top_p,
-        seed=seed, eos_id=tokenizer.eos_id, on_tokens=on_tokens)
+        seed=seed, eos_id=tokenizer.eos_ids, on_tokens=on_tokens)
     spec = inf.speculative
     if spec.method == "none":
         out, timings = generate_ids(params, ids, chunk=inf.decode_chunk, **options)

@@ -30,8 +30,8 @@ import numpy as np
 from jaxllm.inference.cache import ContiguousCache
 from jaxllm.inference.params import DecodeParams, decode_params
 from jaxllm.inference.sampling import probabilities, sample
-from jaxllm.inference.step import (forward, init_cache, logits as head_logits, mtp_forward,
-                                   pad_prompts, round_up)
+from jaxllm.inference.step import (eos_ids, forward, init_cache, is_eos, logits as head_logits,
+                                   mtp_forward, pad_prompts, round_up)
 from jaxllm.model.mtp import shift_left
 
 
@@ -195,8 +195,7 @@ def spec_loop(params, draft, state, limit, *, method, k, cache_len, out_len, tem
         out = s.out.at[rows[:, None], idx].set(tokens, mode="drop")
         n_out = s.n_out + n
         done = s.done | (n_out >= limit)
-        if eos_id is not None:
-            done |= jnp.any((tokens == eos_id) & (j < n[:, None]), axis=1)
+        done |= jnp.any(is_eos(tokens, eos_id) & (j < n[:, None]), axis=1)
         last = jnp.maximum(n - 1, 0)
         return SpecState(
             cache, draft_cache,
@@ -207,7 +206,7 @@ def spec_loop(params, draft, state, limit, *, method, k, cache_len, out_len, tem
             accepted=s.accepted + jnp.sum(j[:, :k] < (n - 1)[:, None], axis=0))
 
     state = state._replace(done=state.done | (state.n_out >= limit)
-                           | ((state.token == eos_id) if eos_id is not None else False))
+                           | is_eos(state.token, eos_id))
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
 
 
@@ -235,7 +234,7 @@ def resolve_draft(cfg, draft_model=None) -> DecodeParams | None:
 def speculative_generate_ids(params: DecodeParams, prompts: list[list[int]], *, method: str,
                              k: int, draft: DecodeParams | None = None, max_new_tokens: int,
                              temperature: float, top_k: int = 0, top_p: float = 1.0,
-                             seed: int = 0, eos_id: int | None = None,
+                             seed: int = 0, eos_id: int | tuple[int, ...] | None = None,
                              on_tokens: Callable[[np.ndarray], None] | None = None,
                              warmup: bool = True):
     """Speculative decoding with the interface of `generate.generate_ids`.
@@ -255,6 +254,7 @@ def speculative_generate_ids(params: DecodeParams, prompts: list[list[int]], *, 
         depth = len(params.mtp)
         if k > depth:
             raise ValueError(f"speculative k={k} exceeds the model's mtp_depth={depth}")
+    eos_id = eos_ids(eos_id)
     tokens, lengths = pad_prompts(prompts)
     plen = tokens.shape[1]
     draft = draft if method == "draft" else None
@@ -282,10 +282,10 @@ def speculative_generate_ids(params: DecodeParams, prompts: list[list[int]], *, 
 
     ids = []
     for row in out.tolist():
-        cut = next((i for i, t in enumerate(row) if t < 0 or t == eos_id), len(row))
+        cut = next((i for i, t in enumerate(row) if t < 0 or t in eos_id), len(row))
         ids.append(row[:cut])
     if on_tokens is not None:
-        on_tokens(np.where(out == eos_id, -1, out) if eos_id is not None else out)
+        on_tokens(np.where(np.isin(out, eos_id), -1, out))
     n_gen = sum(len(r) for r in ids)
     steps = max(int(state.steps), 1)
     per_position = (np.asarray(state.accepted) / steps).tolist()

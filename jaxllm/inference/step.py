@@ -27,6 +27,21 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def eos_ids(eos) -> tuple[int, ...]:
+    """An EOS id, several (generation_config.json may list them) or None -> a tuple of ids."""
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, (int, np.integer)) else tuple(int(e) for e in eos)
+
+
+def is_eos(tokens, eos):
+    """Whether each of `tokens` (any int array) is one of the EOS ids `eos` (see eos_ids)."""
+    ids = eos_ids(eos)
+    if not ids:
+        return jnp.zeros(jnp.shape(tokens), bool)
+    return jnp.isin(tokens, jnp.asarray(ids, jnp.int32))
+
+
 def pad_prompts(prompts: list[list[int]], multiple: int = 16):
     """Token-id prompts -> (tokens int32 (B, P) right-padded to a multiple of `multiple`,
     true lengths int32 (B,)); P in few sizes, so prefill compiles for few shapes."""
