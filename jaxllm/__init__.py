@@ -5,9 +5,11 @@
     model = jaxllm.build_model(cfg.model, rngs=flax.nnx.Rngs(0))
     logits = model(tokens)                      # int32 [B, S] -> float32 [B, S, V]
     texts = jaxllm.generate(model, cfg, ["def fib("], max_new_tokens=64)
+    reply = jaxllm.chat(model, cfg, [{"role": "user", "content": "hi"}])  # chat template
 """
 from jaxllm.config import Config, ConfigError, load_config, save_config
 from jaxllm.model import build_model
+from jaxllm import chat  # a callable module: jaxllm.chat(model, cfg, messages)
 
 
 def generate(*args, **kwargs):
@@ -23,4 +25,4 @@ def __getattr__(name):  # `jaxllm.hf` without importing it (and its deps) eagerl
     raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")
 
 
-__all__ = ["Config", "ConfigError", "load_config", "save_config", "build_model", "generate"]
+__all__ = ["Config", "ConfigError", "load_config", "save_config", "build_model", "generate", "chat"]

@@ -196,6 +196,21 @@ def config_json(cfg: Config, bos_id: int | None = None, eos_id: int | None = Non
     return c
 
 
+def generation_defaults(path) -> dict:
+    """Our `inference:` values from the directory's generation_config.json ({} without one),
+    as transformers' `generate` reads it: greedy unless do_sample, else its temperature,
+    top_k and top_p (transformers' defaults 1.0, 50, 1.0 where absent)."""
+    f = Path(path) / "generation_config.json"
+    if not f.exists():
+        return {}
+    g = {k: v for k, v in json.loads(f.read_text()).items() if v is not None}
+    out = {"max_new_tokens": g["max_new_tokens"]} if g.get("max_new_tokens") else {}
+    if not g.get("do_sample", False):
+        return {**out, "temperature": 0.0}
+    return {**out, "temperature": float(g.get("temperature", 1.0)),
+            "top_k": int(g.get("top_k", 50)), "top_p": float(g.get("top_p", 1.0))}
+
+
 # ---------------------------------------------------------------------------------------
 # loading
 
@@ -252,7 +267,9 @@ def load(path, overrides: list[str] | None = None, *, shardings=None, mesh=None,
     "model.attention_impl=xla"). Parameters are cast to model.param_dtype. `shardings` (a
     pytree like `nnx.to_pure_dict(nnx.state(model))`) or a `mesh` (with the sharding
     `rules`, default `Rules.for_mesh(mesh)`) place each parameter straight onto its devices.
-    cfg.data.tokenizer points at the directory's tokenizer.json when there is one.
+    cfg.data.tokenizer points at the directory's tokenizer.json when there is one; the
+    sampling defaults of its generation_config.json (`generation_defaults`) fill
+    cfg.inference where `overrides` do not set them.
     """
     from jaxllm.model import build_model
     from jaxllm.model.layers import as_dtype
@@ -265,6 +282,8 @@ def load(path, overrides: list[str] | None = None, *, shardings=None, mesh=None,
            "train": {"seq_len": min(TrainConfig.seq_len, model["max_seq_len"])}}
     if (path / "tokenizer.json").exists():
         raw["data"] = {"tokenizer": str(path / "tokenizer.json")}
+    if generation := generation_defaults(path):
+        raw["inference"] = generation
     cfg = config_from_dict(apply_overrides(raw, overrides))
 
     abstract = nnx.eval_shape(lambda: build_model(cfg.model, rngs=nnx.Rngs(0)))

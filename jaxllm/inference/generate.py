@@ -165,7 +165,8 @@ def generate(model, cfg: Config, prompts: list[str], *, max_new_tokens: int | No
              top_p: float | None = None, seed: int = 0, tokenizer=None,
              stream: Callable[[str], None] | None = None, return_result: bool = False,
              draft_model=None):
-    """Generate text for each prompt. Options default to the config's `inference` section.
+    """Generate text for each prompt (a text, or a list of token ids fed as they are, e.g. a
+    rendered chat: jaxllm.chat). Options default to the config's `inference` section.
 
     `stream(text)` receives text as it is produced (for a single prompt). Returns the list
     of generated texts, or a GenerationResult with `return_result=True`. With
@@ -178,7 +179,8 @@ def generate(model, cfg: Config, prompts: list[str], *, max_new_tokens: int | No
     tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer)
     if isinstance(prompts, str):
         prompts = [prompts]
-    ids = [tokenizer.encode_prompt(p) for p in prompts]
+    ids = [tokenizer.encode_prompt(p) if isinstance(p, str) else [int(t) for t in p]
+           for p in prompts]
     max_new_tokens = inf.max_new_tokens if max_new_tokens is None else max_new_tokens
     longest = max(len(i) for i in ids) + max_new_tokens
     if longest > cfg.model.max_seq_len:
