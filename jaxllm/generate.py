@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=None, help="0 turns it off")
     ap.add_argument("--top-p", type=float, default=None, help="1.0 turns it off")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action="store_true",
+                    help="each prompt is a user message, sent through the model's chat template")
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return ap
 
@@ -43,6 +45,23 @@ def read_prompts(args) -> list[str]:
     if not prompts:
         raise ValueError("give at least one --prompt or a --prompt-file")
     return prompts
+
+
+def sampling_sources(args, cfg) -> str:
+    """Each sampling value and where it came from (flag, override, generation_config.json of
+    an HF directory, the config, or the default)."""
+    from jaxllm import hf
+
+    generation = hf.generation_defaults(args.hf) if args.hf else {}
+    overridden = {o.split("=", 1)[0].strip() for o in args.overrides}
+    parts = []
+    for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
+        source = ("--" + name.replace("_", "-") if getattr(args, name) is not None else
+                  "override" if f"inference.{name}" in overridden else
+                  "generation_config.json" if name in generation else
+                  "default" if args.hf else "config")
+        parts.append(f"{name}={getattr(cfg.inference, name)} ({source})")
+    return ", ".join(parts)
 
 
 def main(argv=None) -> int:
@@ -68,21 +87,28 @@ def main(argv=None) -> int:
                 from dataclasses import replace
                 cfg = cfg.replace(inference=replace(cfg.inference, **{name: getattr(args, name)}))
         cfg.check()  # across sections (each replaced section checked its own values)
+        inputs = prompts
+        if args.chat:  # one user turn per prompt, through the checkpoint's template
+            from jaxllm import chat
+            from jaxllm.tokenizer import load_tokenizer
+            tok = load_tokenizer(cfg.data.tokenizer)
+            inputs = [chat.encode(tok, [{"role": "user", "content": p}]) for p in prompts]
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     print(f"[model from {run_dir}, step {step}]", file=sys.stderr)
+    print(f"[sampling: {sampling_sources(args, cfg)}]", file=sys.stderr)
     single = len(prompts) == 1
-    if single:
-        print(prompts[0], end="", flush=True)
-    result = generate(model, cfg, prompts, seed=args.seed, return_result=True,
+    if single:  # a chat reply is printed without the prompt
+        print("" if args.chat else prompts[0], end="", flush=True)
+    result = generate(model, cfg, inputs, seed=args.seed, return_result=True,
                       stream=(lambda s: print(s, end="", flush=True)) if single else None)
     if single:
         print()
     else:
         for p, t in zip(prompts, result.texts):
-            print(f"--- {p!r}\n{p}{t}")
+            print(f"--- {p!r}\n{'' if args.chat else p}{t}")
     print(f"[TTFT {1e3 * result.ttft_s:.1f} ms, TPOT {1e3 * result.tpot_s:.2f} ms, "
           f"{result.tokens_per_s:,.0f} tokens/s over {len(prompts)} prompt(s), "
           f"compile {result.compile_s:.1f} s]", file=sys.stderr)

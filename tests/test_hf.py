@@ -201,22 +201,47 @@ def test_cli_generates_like_transformers(tmp_path):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A",
                                                        special_tokens=[("<s>", bos)])
     tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for m in messages %}{{ bos_token + m['role'] + ': ' + m['content'] + "
+                "eos_token }}{% endfor %}{% if add_generation_prompt %}{{ bos_token + "
+                "'assistant:' }}{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>"}))
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}))
+    ref_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+
+    def reference(ids, stop):
+        with torch.no_grad():
+            return ref_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12,
+                                      eos_token_id=stop)[0, len(ids):].tolist()
 
     prompt = "the lazy fox"
-    ids = transformers.AutoTokenizer.from_pretrained(tmp_path)(prompt).input_ids
+    ids = ref_tok(prompt).input_ids
     assert ids[0] == bos
-    with torch.no_grad():
-        out = ref_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12,
-                                 eos_token_id=eos)[0, len(ids):].tolist()
-    expected = prompt + tok.decode(out, skip_special_tokens=True)
+    # generation_config.json: greedy, 12 tokens, and a second stop id the greedy text meets
+    out = reference(ids, [eos])
+    stop = next(t for j, t in enumerate(out) if j >= 3 and t not in out[:j])
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "max_new_tokens": 12, "eos_token_id": [eos, stop]}))
+    out = reference(ids, [eos, stop])
+    assert len(out) < 12 and out[-1] == stop  # our output stops before the stop id
+    expected = prompt + ref_tok.decode(out[:-1], skip_special_tokens=True)
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     run = subprocess.run([sys.executable, "-m", "jaxllm.generate", "--hf", str(tmp_path),
-                          "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12"],
-                         capture_output=True, text=True, env=env, timeout=300)
+                          "--prompt", prompt], capture_output=True, text=True, env=env,
+                         timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout == expected + "\n"
     assert len(expected) > len(prompt)
+    assert "temperature=0.0 (generation_config.json)" in run.stderr
+    assert "max_new_tokens=12 (generation_config.json)" in run.stderr
+
+    # a chat turn: the template's ids, the same reply as transformers
+    messages = [{"role": "user", "content": "the quick dog"}]
+    chat_ids = ref_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    chat_ids = chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"]
+    model, cfg = hf.load(tmp_path)
+    reply = jaxllm.chat(model, cfg, messages)
+    out = reference(chat_ids, [eos, stop])
+    out = out[:-1] if out[-1] in (eos, stop) else out
+    assert reply == ref_tok.decode(out, skip_special_tokens=True)
