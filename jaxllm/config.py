@@ -83,6 +83,7 @@ class ModelConfig:
     dtype: DType = "float32"  # compute dtype of matmuls
     param_dtype: DType = "float32"
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim of each q and k head before RoPE (Qwen3)
     remat: Literal["none", "full", "dots"] = "full"  # per-block rematerialisation
     max_seq_len: int = 2048  # longest sequence generation may build a cache for
     mtp_depth: int = 0  # multi-token-prediction modules (speculative drafting)

@@ -4,8 +4,8 @@
     model, cfg = jaxllm.hf.load(d, ["model.param_dtype=bfloat16", "model.dtype=bfloat16"])
     jaxllm.hf.save(model, cfg, "out")             # config.json, model.safetensors, tokenizer
 
-Families: Llama (Llama 3 RoPE scaling included), Mistral (sliding window) and Qwen2 (q/k/v
-biases), with any GQA ratio. They share one weight layout (WEIGHTS below) and differ in a
+Families: Llama (Llama 3 RoPE scaling included), Mistral (sliding window), Qwen2 (q/k/v
+biases) and Qwen3 dense (q/k head norms), with any GQA ratio. They share one weight layout (WEIGHTS below) and differ in a
 few config.json fields (FAMILIES). Our RoPE rotates halves (`rotate_half`), as HF Llama
 does, so q/k weights load without a permutation; HF linear weights are [out, in], ours
 [*in, *out]. Loading reads one tensor at a time from the safetensors files and stacks the
@@ -34,12 +34,14 @@ class Family:
     qkv_bias: bool  # biases on q/k/v (and on nothing else)
     window: str  # "none": no sliding window; "all": config.sliding_window on every layer;
     #              "layer_types": use_sliding_window + layer_types / max_window_layers (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim of q and k before RoPE (Qwen3)
 
 
 FAMILIES = {
     "LlamaForCausalLM": Family("llama", qkv_bias=False, window="none"),
     "MistralForCausalLM": Family("mistral", qkv_bias=False, window="all"),
     "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True, window="layer_types"),
+    "Qwen3ForCausalLM": Family("qwen3", qkv_bias=False, window="layer_types", qk_norm=True),
 }
 
 # our parameter path -> (HF tensor name, layout); "{i}" is the layer of a stacked block.
@@ -54,6 +56,8 @@ WEIGHTS = {
     "blocks/attn/q/bias": ("model.layers.{i}.self_attn.q_proj.bias", "flat"),
     "blocks/attn/k/bias": ("model.layers.{i}.self_attn.k_proj.bias", "flat"),
     "blocks/attn/v/bias": ("model.layers.{i}.self_attn.v_proj.bias", "flat"),
+    "blocks/attn/q_norm/scale": ("model.layers.{i}.self_attn.q_norm.weight", "same"),
+    "blocks/attn/k_norm/scale": ("model.layers.{i}.self_attn.k_norm.weight", "same"),
     "blocks/attn/o/kernel": ("model.layers.{i}.self_attn.o_proj.weight", "T2"),
     "blocks/mlp_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", "same"),
     "blocks/mlp/gate/kernel": ("model.layers.{i}.mlp.gate_proj.weight", "T1"),
@@ -163,16 +167,19 @@ def model_section(c: dict) -> dict:
                    sliding_window=_sliding_window(c, fam, n_layers),
                    norm_eps=float(c.get("rms_norm_eps", 1e-6)),
                    tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                   qkv_bias=fam.qkv_bias,
+                   qkv_bias=fam.qkv_bias, qk_norm=fam.qk_norm,
                    max_seq_len=c.get("max_position_embeddings", 2048))
     return section
 
 
 def config_json(cfg: Config, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """The HF config.json of our model config: Qwen2 with q/k/v biases, else Mistral with a
-    sliding window, else Llama."""
+    """The HF config.json of our model config: Qwen3 with q/k head norms, Qwen2 with q/k/v
+    biases, else Mistral with a sliding window, else Llama."""
     m = cfg.model
-    arch = ("Qwen2ForCausalLM" if m.qkv_bias else
+    if m.qk_norm and m.qkv_bias:
+        raise ValueError("model.qk_norm with model.qkv_bias has no Hugging Face family "
+                         "(Qwen3's attention_bias also biases o_proj); set one of them false")
+    arch = ("Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else
             "MistralForCausalLM" if m.sliding_window else "LlamaForCausalLM")
     c = {"architectures": [arch], "model_type": FAMILIES[arch].model_type,
          "vocab_size": m.vocab_size, "hidden_size": m.d_model,
@@ -184,8 +191,10 @@ def config_json(cfg: Config, bos_id: int | None = None, eos_id: int | None = Non
          "rope_scaling": dataclasses.asdict(m.rope_scaling) if m.rope_scaling else None,
          "tie_word_embeddings": m.tie_embeddings, "bos_token_id": bos_id,
          "eos_token_id": eos_id, "torch_dtype": m.param_dtype}
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        c.update(attention_bias=False)
     if arch == "LlamaForCausalLM":
-        c.update(attention_bias=False, mlp_bias=False)
+        c.update(mlp_bias=False)
     elif arch == "MistralForCausalLM":
         c.update(sliding_window=m.sliding_window)
     else:

@@ -34,6 +34,7 @@ CASES = {
                                           rope_theta=500000.0)),
     "mistral_window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=6)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32)),  # != 64 / 4
 }
 
 
@@ -87,7 +88,7 @@ def test_logits_match_transformers(case, tmp_path):
         assert np.abs(np.asarray(off(jnp.asarray(tokens, jnp.int32))) - ref).max() > 1e-2
 
 
-@pytest.mark.parametrize("case", ["llama3_scaled", "mistral_window", "qwen2"])
+@pytest.mark.parametrize("case", ["llama3_scaled", "mistral_window", "qwen2", "qwen3"])
 def test_greedy_generation_matches_transformers(case, tmp_path):
     ref_model = _hf_model(case, tmp_path, seed=2)
     prompt = _tokens(3, (9,)).tolist()
@@ -110,6 +111,7 @@ EXPORTS = {
             ("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1),
             ("high_freq_factor", 4), ("original_max_position_embeddings", 32)]],
     "qwen2_window": ["model.n_kv_heads=2", "model.qkv_bias=true", "model.sliding_window=7"],
+    "qwen3": ["model.n_kv_heads=2", "model.qk_norm=true", "model.head_dim=24"],
 }
 
 
@@ -140,6 +142,11 @@ def test_saved_checkpoint_loads_in_transformers(case, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     bf16, bf16_cfg = hf.load(tmp_path, ["model.param_dtype=bfloat16"])
     assert {x.dtype for x in jax.tree.leaves(nnx.state(bf16))} == {jnp.dtype(jnp.bfloat16)}
+    if cfg.model.qk_norm:  # the fused one-row decode path has no head norm
+        assert decode_params(back, back_cfg).fused_rows == 0
+        with pytest.raises(ValueError, match="qk_norm"):
+            decode_params(back, back_cfg.replace(inference=dataclasses.replace(
+                back_cfg.inference, matmul_impl="pallas_triton")))
 
 
 def test_sharded_checkpoint_and_placement(tmp_path):

@@ -28,6 +28,8 @@ class LayerParams:
     attn_norm: jax.Array  # [d]
     qkv: jax.Array  # [Hq + 2 Hkv, D, d]
     qkv_bias: jax.Array | None  # [Hq + 2 Hkv, D]
+    q_norm: jax.Array | None  # [D]: RMSNorm of each q head before RoPE (model.qk_norm)
+    k_norm: jax.Array | None  # [D]
     o: jax.Array  # [d, Hq * D]
     mlp_norm: jax.Array  # [d]
     gate_up: jax.Array  # [2, F, d]
@@ -68,8 +70,10 @@ def _layer(blk: dict) -> LayerParams:
     bias = (jnp.concatenate([attn[n]["bias"] for n in "qkv"], axis=0)
             if "bias" in attn["q"] else None)
     o = attn["o"]["kernel"]  # [Hq, D, d]
+    qk_norm = [attn[n]["scale"] if n in attn else None for n in ("q_norm", "k_norm")]
     return LayerParams(
         attn_norm=blk["attn_norm"]["scale"], qkv=_out_major(qkv), qkv_bias=bias,
+        q_norm=qk_norm[0], k_norm=qk_norm[1],
         o=_out_major(o, 2).reshape(o.shape[-1], -1), mlp_norm=blk["mlp_norm"]["scale"],
         gate_up=_out_major(jnp.stack([mlp["gate"]["kernel"], mlp["up"]["kernel"]], axis=1)),
         down=_out_major(mlp["down"]["kernel"]))
@@ -78,11 +82,12 @@ def _layer(blk: dict) -> LayerParams:
 def _fused_rows(m: ModelConfig, impl: str) -> int:
     """FUSED_ROWS when `impl` (inference.matmul_impl) picks the fused decode matmuls for
     every projection of a layer, else 0. An explicit pick they cannot take raises."""
-    if m.qkv_bias:
-        if impl == "pallas_triton":
-            raise ValueError("inference.matmul_impl='pallas_triton': the fused decode "
-                             "matmuls take no q/k/v bias (model.qkv_bias); use 'auto' or 'xla'")
-        return 0
+    for flag, what in (("qkv_bias", "no q/k/v bias"), ("qk_norm", "no q/k head norm")):
+        if getattr(m, flag):
+            if impl == "pallas_triton":
+                raise ValueError(f"inference.matmul_impl='pallas_triton': the fused decode "
+                                 f"matmuls take {what} (model.{flag}); use 'auto' or 'xla'")
+            return 0
     hq, hkv, hd, d, f = m.n_heads, m.n_kv_heads, m.resolved_head_dim, m.d_model, m.mlp_dim
     dtype = as_dtype(m.dtype)
     for k, w, epilogue in ((d, (hq + 2 * hkv, hd, d), "qkv"), (hq * hd, (d, hq * hd), "none"),

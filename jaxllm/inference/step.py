@@ -103,8 +103,11 @@ def block(cfg, lp: LayerParams, x, positions, cache, layer: int, *, prefill: boo
     b, s, _ = x.shape
     hq, hkv = cfg.n_heads, cfg.n_kv_heads
     qkv = dense(rms_norm(x, lp.attn_norm, cfg.norm_eps), lp.qkv, lp.qkv_bias)  # (B, S, H, D)
-    q = apply_rope(qkv[:, :, :hq], positions, cfg.rope_theta, cfg.rope_scaling)
-    k = apply_rope(qkv[:, :, hq:hq + hkv], positions, cfg.rope_theta, cfg.rope_scaling)
+    q, k = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv]
+    if lp.q_norm is not None:  # model.qk_norm: per-head RMSNorm before RoPE
+        q, k = rms_norm(q, lp.q_norm, cfg.norm_eps), rms_norm(k, lp.k_norm, cfg.norm_eps)
+    q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_scaling)
+    k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
     v = qkv[:, :, hq + hkv:]
     cache = cache.write(layer, k, v, positions)
     o = _attention(cfg, q, k, v, positions, cache, layer, prefill)  # (B, S, Hq, D)
@@ -116,7 +119,8 @@ def block(cfg, lp: LayerParams, x, positions, cache, layer: int, *, prefill: boo
 def _fused_block(cfg, lp: LayerParams, x, positions, cache: ContiguousCache, layer: int):
     """The block in five kernels: norm + q/k/v + RoPE + cache write, attention over the
     cache, output projection + residual, norm + gate/up + SwiGLU, down projection +
-    residual. The same numbers as `block`, to rounding."""
+    residual. The same numbers as `block`, to rounding. No q/k bias or head norm
+    (decode_params never picks it then)."""
     b, s, d = x.shape
     hq, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
     x2 = x.reshape(b * s, d)

@@ -17,7 +17,8 @@ class Block(nnx.Module):
         self.attn = Attention(d_model=cfg.d_model, n_heads=cfg.n_heads,
                               n_kv_heads=cfg.n_kv_heads, head_dim=cfg.resolved_head_dim,
                               rope_theta=cfg.rope_theta, attention_impl=cfg.attention_impl,
-                              qkv_bias=cfg.qkv_bias, rope_scaling=cfg.rope_scaling,
+                              qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
+                              norm_eps=cfg.norm_eps, rope_scaling=cfg.rope_scaling,
                               sliding_window=cfg.sliding_window, dtype=dtype,
                               param_dtype=pdtype, rngs=rngs, std=cfg.init_std, out_std=out_std)
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
