@@ -78,9 +78,6 @@ def _hf_shape(shape, layout: str) -> tuple:
     return (math.prod(shape[n:]), math.prod(shape[:n]))
 
 
-def _to_ours(w: np.ndarray, layout: str, shape) -> np.ndarray:
-    return (w.T if layout[0] == "T" else w).reshape(shape)
-
 
 def _to_hf(x: np.ndarray, layout: str) -> np.ndarray:
     hf = _hf_shape(x.shape, layout)
@@ -309,17 +306,21 @@ def load(path, overrides: list[str] | None = None, *, shardings=None, mesh=None,
                 raise ValueError(f"parameter {ours!r} has no Hugging Face counterpart")
             name, layout = WEIGHTS[ours]
             shape = leaf.shape
+            # each HF tensor is cast and laid out straight into the parameter's one host
+            # array (no per-tensor copies, no full-model copy in another dtype)
+            x = np.empty(shape, dtype)
             if ours.startswith("blocks/"):  # stacked: [L, ...], one HF tensor per layer
-                x = np.empty(shape, dtype)
                 for i in range(shape[0]):
-                    x[i] = _checked(tensors.get(name.format(i=i)), name.format(i=i), layout,
-                                    shape[1:]).astype(dtype)
+                    _load_into(x[i], tensors.get(name.format(i=i)), name.format(i=i), layout)
             else:
-                x = _checked(tensors.get(name), name, layout, shape).astype(dtype)
+                _load_into(x, tensors.get(name), name, layout)
             sharding = _get(shardings, keys) if shardings is not None else None
-            _set(params, keys, jax.device_put(x, sharding) if sharding is not None
-                 else jax.numpy.asarray(x))
+            arr = jax.device_put(x, sharding) if sharding is not None else jax.numpy.asarray(x)
+            _set(params, keys, arr.block_until_ready())
+            # jax holds the last device_put's source until the next op dispatches: one
+            # tiny op frees x now, so one parameter's host array is alive at a time
             del x
+            jax.numpy.zeros(())
         unused = sorted(k for k in set(tensors.where) - tensors.used
                         if not k.endswith(IGNORED)
                         and not (k == "lm_head.weight" and cfg.model.tie_embeddings))
@@ -329,11 +330,15 @@ def load(path, overrides: list[str] | None = None, *, shardings=None, mesh=None,
     return nnx.merge(graphdef, params), cfg
 
 
-def _checked(w, name, layout, shape):
-    if w.shape != _hf_shape(shape, layout):
+def _load_into(dst: np.ndarray, w: np.ndarray, name: str, layout: str) -> None:
+    """Write HF tensor `w` into our (contiguous) array `dst`, casting, in one pass."""
+    if w.shape != _hf_shape(dst.shape, layout):
         raise ValueError(f"tensor {name!r} has shape {w.shape}; config.json implies "
-                         f"{_hf_shape(shape, layout)}")
-    return _to_ours(w, layout, shape)
+                         f"{_hf_shape(dst.shape, layout)}")
+    if layout[0] == "T":  # ours [*in, *out] is HF's [out, in] transposed
+        dst.reshape(w.shape[::-1])[...] = w.T
+    else:
+        dst.reshape(w.shape)[...] = w
 
 
 def _get(tree, keys):
