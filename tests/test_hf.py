@@ -191,7 +191,8 @@ def test_unsupported_config_is_a_clear_error(change, message, tmp_path):
         hf.load(tmp_path)
 
 
-def test_cli_generates_like_transformers(tmp_path):
+def _text_model(case, path, seed=5):
+    """An HF model directory with a small BPE tokenizer.json (a BOS post-processor)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     text = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
@@ -201,13 +202,38 @@ def test_cli_generates_like_transformers(tmp_path):
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([text] * 4, trainers.BpeTrainer(vocab_size=120,
                                                             special_tokens=["<s>", "</s>"]))
-    vocab = tok.get_vocab_size()
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-    ref_model = _hf_model("llama_gqa", tmp_path, seed=5, vocab=vocab, bos_token_id=bos,
+    ref_model = _hf_model(case, path, seed=seed, vocab=tok.get_vocab_size(), bos_token_id=bos,
                           eos_token_id=eos)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A",
                                                        special_tokens=[("<s>", bos)])
-    tok.save(str(tmp_path / "tokenizer.json"))
+    tok.save(str(path / "tokenizer.json"))
+    return ref_model, bos, eos
+
+
+@pytest.mark.parametrize("case", ["llama3_scaled", "mistral_window", "qwen2", "qwen3"])
+def test_cli_text_generation_per_family(case, tmp_path, capsys):
+    """python -m jaxllm.generate --hf DIR (in process) from text: transformers' tokens."""
+    from jaxllm.generate import main
+
+    ref_model, _, eos = _text_model(case, tmp_path, seed=7)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>"}))
+    ref_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    prompt = "a stitch in"
+    ids = ref_tok(prompt).input_ids
+    with torch.no_grad():
+        out = ref_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=10,
+                                 eos_token_id=eos)[0, len(ids):].tolist()
+    out = out[:-1] if out[-1] == eos else out
+    assert len(out) >= 3  # text to compare
+    assert main(["--hf", str(tmp_path), "--prompt", prompt, "--temperature", "0",
+                 "--max-new-tokens", "10"]) == 0
+    assert capsys.readouterr().out == prompt + ref_tok.decode(out, skip_special_tokens=True) + "\n"
+
+
+def test_cli_generates_like_transformers(tmp_path):
+    ref_model, bos, eos = _text_model("llama_gqa", tmp_path)
     template = ("{% for m in messages %}{{ bos_token + m['role'] + ': ' + m['content'] + "
                 "eos_token }}{% endfor %}{% if add_generation_prompt %}{{ bos_token + "
                 "'assistant:' }}{% endif %}")
