@@ -13,7 +13,6 @@ layers into our [L, ...] parameters, placing each on its sharding when given one
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -221,11 +220,10 @@ def generation_defaults(path) -> dict:
 # loading
 
 
-class _Tensors(contextlib.ExitStack):
-    """Tensors by name over one or several (indexed) safetensors files, opened lazily."""
+class _Tensors:
+    """Tensors by name over one or several (indexed) safetensors files."""
 
     def __init__(self, path: Path):
-        super().__init__()
         index = path / "model.safetensors.index.json"
         if index.exists():
             self.where = {k: path / f for k, f in json.loads(index.read_text())["weight_map"]
@@ -238,17 +236,16 @@ class _Tensors(contextlib.ExitStack):
                     self.where.update({k: f for k in h.keys()})
         if not self.where:
             raise ValueError(f"no *.safetensors weights in {str(path)!r}")
-        self.files, self.used = {}, set()
+        self.used = set()
 
     def get(self, name: str) -> np.ndarray:
         from safetensors import safe_open
         if name not in self.where:
             raise ValueError(f"the checkpoint lacks tensor {name!r}")
-        f = self.where[name]
-        if f not in self.files:
-            self.files[f] = self.enter_context(safe_open(str(f), framework="numpy"))
         self.used.add(name)
-        return self.files[f].get_tensor(name)
+        # opened per tensor: a file held open keeps every page read so far mapped
+        with safe_open(str(self.where[name]), framework="numpy") as h:
+            return h.get_tensor(name)
 
 
 def _shardings_from_mesh(abstract_state, mesh, rules=None):
@@ -299,31 +296,31 @@ def load(path, overrides: list[str] | None = None, *, shardings=None, mesh=None,
     shapes = nnx.to_pure_dict(state)
     dtype = np.dtype(as_dtype(cfg.model.param_dtype))
     params = {}
-    with _Tensors(path) as tensors:
-        for keys, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-            ours = "/".join(str(k.key) for k in keys)
-            if ours not in WEIGHTS:
-                raise ValueError(f"parameter {ours!r} has no Hugging Face counterpart")
-            name, layout = WEIGHTS[ours]
-            shape = leaf.shape
-            # each HF tensor is cast and laid out straight into the parameter's one host
-            # array (no per-tensor copies, no full-model copy in another dtype)
-            x = np.empty(shape, dtype)
-            if ours.startswith("blocks/"):  # stacked: [L, ...], one HF tensor per layer
-                for i in range(shape[0]):
-                    _load_into(x[i], tensors.get(name.format(i=i)), name.format(i=i), layout)
-            else:
-                _load_into(x, tensors.get(name), name, layout)
-            sharding = _get(shardings, keys) if shardings is not None else None
-            arr = jax.device_put(x, sharding) if sharding is not None else jax.numpy.asarray(x)
-            _set(params, keys, arr.block_until_ready())
-            # jax holds the last device_put's source until the next op dispatches: one
-            # tiny op frees x now, so one parameter's host array is alive at a time
-            del x
-            jax.numpy.zeros(())
-        unused = sorted(k for k in set(tensors.where) - tensors.used
-                        if not k.endswith(IGNORED)
-                        and not (k == "lm_head.weight" and cfg.model.tie_embeddings))
+    tensors = _Tensors(path)
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        ours = "/".join(str(k.key) for k in keys)
+        if ours not in WEIGHTS:
+            raise ValueError(f"parameter {ours!r} has no Hugging Face counterpart")
+        name, layout = WEIGHTS[ours]
+        shape = leaf.shape
+        # each HF tensor is cast and laid out straight into the parameter's one host
+        # array (no per-tensor copies, no full-model copy in another dtype)
+        x = np.empty(shape, dtype)
+        if ours.startswith("blocks/"):  # stacked: [L, ...], one HF tensor per layer
+            for i in range(shape[0]):
+                _load_into(x[i], tensors.get(name.format(i=i)), name.format(i=i), layout)
+        else:
+            _load_into(x, tensors.get(name), name, layout)
+        sharding = _get(shardings, keys) if shardings is not None else None
+        arr = jax.device_put(x, sharding) if sharding is not None else jax.numpy.asarray(x)
+        _set(params, keys, arr.block_until_ready())
+        # jax holds the last device_put's source until the next op dispatches: one
+        # tiny op frees x now, so one parameter's host array is alive at a time
+        del x
+        jax.numpy.zeros(())
+    unused = sorted(k for k in set(tensors.where) - tensors.used
+                    if not k.endswith(IGNORED)
+                    and not (k == "lm_head.weight" and cfg.model.tie_embeddings))
     if unused:
         raise ValueError(f"the checkpoint holds tensors jaxllm has no place for: "
                          f"{unused[:8]}{' ...' if len(unused) > 8 else ''}")
@@ -359,7 +356,8 @@ def _set(tree, keys, value):
 
 def save(model, cfg: Config, path, *, drop_mtp: bool = False) -> None:
     """Write an HF model directory: config.json, model.safetensors, and the tokenizer
-    (tokenizer.json, with tokenizer_config.json when one lies beside it) if cfg has one.
+    (tokenizer.json, with the tokenizer_config.json, chat_template.jinja and
+    generation_config.json that lie beside it) if cfg has one.
 
     MTP heads have no HF counterpart: a model with them needs `drop_mtp=True`.
     """
@@ -395,6 +393,7 @@ def save(model, cfg: Config, path, *, drop_mtp: bool = False) -> None:
         src = Path(tok.name)
         if src.resolve() != (path / "tokenizer.json").resolve():
             shutil.copyfile(src, path / "tokenizer.json")
-            if (src.parent / "tokenizer_config.json").exists():
-                shutil.copyfile(src.parent / "tokenizer_config.json",
-                                path / "tokenizer_config.json")
+            for name in ("tokenizer_config.json", "chat_template.jinja",
+                         "generation_config.json"):
+                if (src.parent / name).exists():
+                    shutil.copyfile(src.parent / name, path / name)
