@@ -27,14 +27,17 @@ class ChatTemplateError(ValueError):
 
 def template_of(tokenizer) -> str:
     """The chat template of an HF tokenizer (ValueError when it has none)."""
-    folder = Path(getattr(tokenizer, "name", "")).parent
+    if not hasattr(tokenizer, "special_tokens"):  # the byte tokenizer
+        raise ValueError(f"the {getattr(tokenizer, 'name', '?')!r} tokenizer has no chat "
+                         f"template; chat needs a Hugging Face tokenizer (data.tokenizer)")
+    folder = Path(tokenizer.name).parent
     if (folder / "chat_template.jinja").exists():
         return (folder / "chat_template.jinja").read_text()
-    template = getattr(tokenizer, "config", {}).get("chat_template")
+    template = tokenizer.config.get("chat_template")
     if isinstance(template, list):  # named templates
         template = {t["name"]: t["template"] for t in template}.get("default")
     if not template:
-        raise ValueError(f"tokenizer {getattr(tokenizer, 'name', tokenizer)!r} has no chat "
+        raise ValueError(f"tokenizer {tokenizer.name!r} has no chat "
                          f"template (no chat_template.jinja, no chat_template in "
                          f"tokenizer_config.json); give prompts as text instead")
     return template
@@ -71,7 +74,7 @@ def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = Tru
         raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts; "
                          f"got {messages!r}")
     compiled = _compile(template or template_of(tokenizer))
-    context = {**getattr(tokenizer, "special_tokens", {}), **variables}
+    context = {**(getattr(tokenizer, "special_tokens", None) or {}), **variables}
     try:
         return compiled.render(messages=[dict(m) for m in messages], tools=None,
                                documents=None, add_generation_prompt=add_generation_prompt,

@@ -5,11 +5,12 @@
     jaxllm.hf.save(model, cfg, "out")             # config.json, model.safetensors, tokenizer
 
 Families: Llama (Llama 3 RoPE scaling included), Mistral (sliding window), Qwen2 (q/k/v
-biases) and Qwen3 dense (q/k head norms), with any GQA ratio. They share one weight layout (WEIGHTS below) and differ in a
-few config.json fields (FAMILIES). Our RoPE rotates halves (`rotate_half`), as HF Llama
-does, so q/k weights load without a permutation; HF linear weights are [out, in], ours
-[*in, *out]. Loading reads one tensor at a time from the safetensors files and stacks the
-layers into our [L, ...] parameters, placing each on its sharding when given one.
+biases) and Qwen3 dense (q/k head norms), with any GQA ratio. They share one weight layout
+(WEIGHTS below) and differ in a few config.json fields (FAMILIES). Our RoPE rotates halves
+(`rotate_half`), as HF Llama does, so q/k weights load without a permutation; HF linear
+weights are [out, in], ours [*in, *out]. Loading reads one tensor at a time from the
+safetensors files and stacks the layers into our [L, ...] parameters, placing each on its
+sharding when given one.
 """
 from __future__ import annotations
 

@@ -76,7 +76,9 @@ class HFTokenizer:
         named["eos_token"] = eos_token or named["eos_token"]
         self.special_tokens = {k: t for k, t in named.items() if t}  # name -> text
         # transformers registers every named special token as a special added token
-        extra = [_content(t) for t in self.config.get("additional_special_tokens") or []]
+        extra = (self.config.get("additional_special_tokens")
+                 or self.config.get("extra_special_tokens") or [])  # the transformers 5 key
+        extra = [_content(t) for t in (extra.values() if isinstance(extra, dict) else extra)]
         have = {t.content for t in self._tok.get_added_tokens_decoder().values()}
         self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                       for t in [*named.values(), *extra]

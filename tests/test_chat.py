@@ -29,7 +29,11 @@ ALTERNATING = """{% if messages[0]['role'] == 'system' %}
         {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
     {% endif %}
     {% if message['role'] == 'user' %}
-        {% if loop.first %}{% set content = '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = message['content'] %}{% endif %}
+        {% if loop.first %}
+            {% set content = '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' + message['content'] %}
+        {% else %}
+            {% set content = message['content'] %}
+        {% endif %}
         {{ bos_token + '[INST] ' + content | trim + ' [/INST]' }}
     {% else %}
         {{ ' ' + message['content'] | trim + ' ' + eos_token }}
@@ -40,7 +44,8 @@ SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|begin_of_te
 CONVERSATIONS = [
     [{"role": "user", "content": "hello there"}],
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "2 + 2?"},
-     {"role": "assistant", "content": " four "}, {"role": "user", "content": "and ünïcode 日本?"}],
+     {"role": "assistant", "content": " four "},
+     {"role": "user", "content": "and ünïcode 日本?"}],
 ]
 
 
@@ -49,9 +54,10 @@ def tokenizer_json():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["hello there, answer briefly. you are helpful and four"] * 4,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                            trainer)
     return tok.to_str()
 
 

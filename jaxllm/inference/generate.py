@@ -160,9 +160,9 @@ def generate_ids(params: DecodeParams, prompts: list[list[int]], *, max_new_toke
     return ids, timings
 
 
-def generate(model, cfg: Config, prompts: list[str], *, max_new_tokens: int | None = None,
-             temperature: float | None = None, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, tokenizer=None,
+def generate(model, cfg: Config, prompts: list[str | list[int]], *,
+             max_new_tokens: int | None = None, temperature: float | None = None,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, tokenizer=None,
              stream: Callable[[str], None] | None = None, return_result: bool = False,
              draft_model=None):
     """Generate text for each prompt (a text, or a list of token ids fed as they are, e.g. a
