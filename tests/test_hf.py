@@ -298,3 +298,26 @@ def test_bf16_load_makes_no_f32_copy(tmp_path):
     tracemalloc.stop()
     assert {x.dtype for x in jax.tree.leaves(nnx.state(model))} == {jnp.dtype(jnp.bfloat16)}
     assert peak < 0.4 * size, (peak, size)
+
+
+def test_several_eos_ids_stop_rows_in_speculative_decoding():
+    """generation_config.json may list several EOS ids: each row stops at the first of any."""
+    from jaxllm.inference.speculative import speculative_generate_ids
+
+    cfg = load_config(None, ["model.d_model=64", "model.n_layers=1", "model.n_heads=4",
+                             "model.mlp_dim=96", f"model.vocab_size={V}", "train.seq_len=64"])
+    model = jaxllm.build_model(cfg.model, rngs=nnx.Rngs(0))
+    leaves, treedef = jax.tree.flatten(nnx.state(model, nnx.Param))
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    nnx.update(model, jax.tree.unflatten(treedef, [
+        x + 0.3 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    params = decode_params(model, cfg)
+    prompts = [_tokens(5, (3,)).tolist(), _tokens(6, (5,)).tolist()]
+    greedy = dict(max_new_tokens=16, temperature=0.0, warmup=False)
+    full, _ = generate_ids(params, prompts, **greedy)
+    stops = (full[0][5], full[1][8])
+    cuts = [row[:next(i for i, t in enumerate(row) if t in stops)] for row in full]
+    assert min(map(len, cuts)) >= 1 and cuts != full
+    spec, _ = speculative_generate_ids(params, prompts, method="draft", k=2, draft=params,
+                                       eos_id=list(stops), **greedy)
+    assert spec == cuts  # plain decoding with a list: test_cli_generates_like_transformers
