@@ -45,22 +45,35 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
+def check_prompts(prompts: list[str], cfg) -> None:
+    """Refuse prompts that with inference.max_new_tokens overrun model.max_seq_len."""
+    from jaxllm.tokenizer import load_tokenizer
+    tok = load_tokenizer(cfg.data.tokenizer)
+    longest = max(len(tok.prompt_prefix) + len(tok.encode(p)) for p in prompts)
+    room = cfg.model.max_seq_len - cfg.inference.max_new_tokens
+    if longest > room:
+        raise ValueError(f"a prompt of {longest} tokens + --max-new-tokens "
+                         f"{cfg.inference.max_new_tokens} exceeds model.max_seq_len="
+                         f"{cfg.model.max_seq_len}; shorten the prompt to {max(room, 0)} tokens "
+                         f"or lower --max-new-tokens")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from absl import logging as absl_logging  # orbax notes read-only restores at WARNING
     absl_logging.set_verbosity(absl_logging.ERROR)
     from jaxllm.config import ConfigError, load_config
     from jaxllm.inference.generate import generate
-    from jaxllm.checkpoint import load_model
+    from jaxllm.checkpoint import check_run_dir, load_model
 
     try:
         prompts = read_prompts(args)
         if args.hf:
             from jaxllm import hf
             (model, cfg), run_dir, step = hf.load(args.hf, args.overrides), args.hf, "-"
-        else:
+        else:  # the stored config first: every input is checked before the checkpoint loads
             run_dir = args.run or load_config(args.config, args.overrides).train.run_dir
-            model, cfg, step = load_model(run_dir, args.step, args.overrides)
+            cfg = load_config(check_run_dir(run_dir) / "config.yaml", args.overrides)
         if args.config:  # the given config wins for inference options
             cfg = cfg.replace(inference=load_config(args.config, args.overrides).inference)
         for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
@@ -68,6 +81,9 @@ def main(argv=None) -> int:
                 from dataclasses import replace
                 cfg = cfg.replace(inference=replace(cfg.inference, **{name: getattr(args, name)}))
         cfg.check()  # across sections (each replaced section checked its own values)
+        check_prompts(prompts, cfg)
+        if not args.hf:
+            model, _, step = load_model(run_dir, args.step, args.overrides)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
