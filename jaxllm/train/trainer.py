@@ -287,13 +287,14 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
     if from_step is not None and not has_ckpt:
         raise FileNotFoundError(f"no checkpoints in {run_dir} to resume from step {from_step}")
     check_resume(cfg, run_dir)
+    plan = sharding_plan(cfg)  # the mesh and batch checks, before any tokenizing
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but "
                          f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
     data = data_lib.load_tokens(cfg.data, tokenizer)
 
-    graphdef, params, opt_state, fns = init_state(cfg)
+    graphdef, params, opt_state, fns = init_state(cfg, plan)
     place = place_batch or fns.plan.place_batch
     if t.distill_from:  # the teacher's logits ride along with every batch
         place = (lambda put, teach: lambda b: teach(put(b)))(place, teacher_fn(cfg, fns.plan))
