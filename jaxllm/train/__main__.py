@@ -5,7 +5,7 @@ import argparse
 import sys
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxllm.train",
                                  description="Train a jaxllm model from a YAML config.")
     ap.add_argument("--config", required=True, help="YAML config file or a run directory")
@@ -24,7 +24,11 @@ def main(argv=None) -> int:
     ap.add_argument("--process-id", type=int,
                     help="multi-host: this process's index (else JAX_PROCESS_ID)")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=100")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     from jaxllm.config import load_config
     from jaxllm.sharding import initialize_distributed
