@@ -209,6 +209,12 @@ class Checkpointer:
         self.manager.close()
 
 
+def has_checkpoints(run_dir: str | Path) -> bool:
+    """Whether run_dir/checkpoints holds a step directory (not only a cut-off save's tmp)."""
+    d = Path(run_dir) / "checkpoints"
+    return d.is_dir() and any(p.name.isdigit() for p in d.iterdir())
+
+
 def check_run_dir(run_dir: str | Path) -> Path:
     """The run directory if it holds a trained run (config.yaml and checkpoints), else a
     FileNotFoundError saying what is missing and how to train one."""
@@ -217,7 +223,7 @@ def check_run_dir(run_dir: str | Path) -> Path:
         why = "the directory does not exist"
     elif not (run_dir / "config.yaml").is_file():
         why = "it has no config.yaml"
-    elif not any((run_dir / "checkpoints").glob("[0-9]*")):
+    elif not has_checkpoints(run_dir):
         why = "it has no checkpoints"
     else:
         return run_dir

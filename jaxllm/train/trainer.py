@@ -29,7 +29,7 @@ from jaxllm.sharding import ShardingPlan
 from jaxllm.sharding.memory import describe_memory, step_memory
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.train import data as data_lib
-from jaxllm.checkpoint import Checkpointer, load_model
+from jaxllm.checkpoint import Checkpointer, has_checkpoints, load_model
 from jaxllm.train.optim import lr_schedule, make_optimizer
 
 # Dense bf16 peak FLOP/s by device kind (datasheet figures, without sparsity).
@@ -252,7 +252,7 @@ def check_resume(cfg: Config, run_dir: Path) -> None:
     """Refuse, before anything is written, to resume a run directory whose checkpoints were
     trained with another model (or tokenizer): name the differing keys and the fixes."""
     stored = run_dir / "config.yaml"
-    if not stored.is_file() or not any((run_dir / "checkpoints").glob("[0-9]*")):
+    if not stored.is_file() or not has_checkpoints(run_dir):
         return
     old = load_config(stored).to_dict()
     new = cfg.to_dict()
@@ -280,7 +280,7 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
     t = cfg.train
     run_dir = Path(t.run_dir)
     cfg.check()
-    has_ckpt = any((run_dir / "checkpoints").glob("[0-9]*"))
+    has_ckpt = has_checkpoints(run_dir)
     if has_ckpt and not resume:
         raise FileExistsError(f"{run_dir / 'checkpoints'} holds checkpoints; resume, or "
                               f"choose a new train.run_dir")
