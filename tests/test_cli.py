@@ -9,12 +9,18 @@ import signal
 
 import pytest
 
+import jaxllm
+
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import load_config
 from jaxllm.train import __main__ as train_cli
 from jaxllm.train.trainer import train
 
-generate_cli = importlib.import_module("jaxllm.generate")  # the module, not the function
+# The CLI module; importing it rebinds the package's `jaxllm.generate` (the function) to
+# the module, so the function is put back for the tests that follow.
+_generate_fn = jaxllm.generate
+generate_cli = importlib.import_module("jaxllm.generate")
+jaxllm.generate = _generate_fn
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
         "model.mlp_dim=64", "model.max_seq_len=64", "train.batch_size=8", "train.seq_len=16",

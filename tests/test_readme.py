@@ -1,5 +1,6 @@
 """The README's Python snippets run as written (each in a fresh namespace, in a scratch
 directory that sees the repository's configs/)."""
+import inspect
 import re
 from pathlib import Path
 
@@ -29,6 +30,10 @@ def test_snippets_are_found():
 def test_readme_snippet_runs(section, code, tmp_path, monkeypatch):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     monkeypatch.chdir(tmp_path)
+    import jaxllm
+    if inspect.ismodule(jaxllm.generate):  # an earlier import of the CLI module rebound it
+        from jaxllm.inference.generate import generate
+        monkeypatch.setattr(jaxllm, "generate", generate)
     exec(compile(code, f"README.md ({section})", "exec"), {"__name__": "readme"})
 
 
