@@ -140,7 +140,7 @@ def test_train_refuses_bad_inputs_without_stray_files(corpus, tmp_path, capsys):
         (["train.seq_len=128"], "exceeds model.max_seq_len=64"),
         (["train.stepz=3"], "did you mean 'steps'"),
         (["train.steps=-1"], "train.steps"),
-        (["parallelism.data=3"], "parallelism"),
+        (["parallelism.dp=3"], "needs 3 devices but 8 are present"),
     ]
     for extra, message in cases:
         rc = train_cli.main(["--config", "configs/tiny.yaml", *_args(corpus, tmp_path, run),
