@@ -19,11 +19,13 @@ $(VENV)/.installed-test: pyproject.toml | $(PY)
 	touch $@ $(VENV)/.installed
 
 # Train the tiny config on the CPU on the embedded corpus, then generate from the result.
+# Sampling with top-k at temperature 0.9: a model this small collapses into runs of spaces
+# at lower temperatures (greedy gives only spaces).
 run: $(VENV)/.installed
 	rm -rf runs/tiny
 	JAX_PLATFORMS=cpu $(PY) -m jaxllm.train --config configs/tiny.yaml
 	JAX_PLATFORMS=cpu $(PY) -m jaxllm.generate --run runs/tiny --prompt 'def fibonacci(n):\n' \
-		--max-new-tokens 300 --temperature 0.7 --top-p 0.9
+		--max-new-tokens 300 --temperature 0.9 --top-k 40
 
 # Two worker processes, each taking whole test files (module fixtures are built once).
 test: $(VENV)/.installed-test

@@ -12,16 +12,13 @@ from jaxllm.model import build_model
 from jaxllm import chat  # a callable module: jaxllm.chat(model, cfg, messages)
 
 
-def generate(*args, **kwargs):
-    """High-level generation; see `jaxllm.inference.generate.generate`."""
-    from jaxllm.inference.generate import generate as _generate
-    return _generate(*args, **kwargs)
-
-
-def __getattr__(name):  # `jaxllm.hf` without importing it (and its deps) eagerly
-    if name == "hf":
+def __getattr__(name):
+    # `jaxllm.hf` without importing it (and its deps) eagerly; `jaxllm.generate`, the CLI
+    # module, a callable one (jaxllm.generate(model, cfg, prompts)), imported on first use
+    # so that `python -m jaxllm.generate` finds it not yet imported
+    if name in ("hf", "generate"):
         import importlib
-        return importlib.import_module("jaxllm.hf")
+        return importlib.import_module(f"jaxllm.{name}")
     raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")
 
 

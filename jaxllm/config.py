@@ -430,6 +430,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         if path.is_dir():  # a run directory holds its resolved config
+            if not (path / "config.yaml").is_file():
+                raise ConfigError(f"{str(path)!r} is a directory without config.yaml: not a "
+                                  f"run directory; give a YAML config file or a trained run")
             path = path / "config.yaml"
         if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")

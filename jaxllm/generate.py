@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 from pathlib import Path
 
 
@@ -64,22 +65,34 @@ def sampling_sources(args, cfg) -> str:
     return ", ".join(parts)
 
 
+def check_prompts(prompts: list[list[int]], cfg) -> None:
+    """Refuse prompts (token ids) that with inference.max_new_tokens overrun
+    model.max_seq_len."""
+    longest = max(len(p) for p in prompts)
+    room = cfg.model.max_seq_len - cfg.inference.max_new_tokens
+    if longest > room:
+        raise ValueError(f"a prompt of {longest} tokens + --max-new-tokens "
+                         f"{cfg.inference.max_new_tokens} exceeds model.max_seq_len="
+                         f"{cfg.model.max_seq_len}; shorten the prompt to {max(room, 0)} tokens "
+                         f"or lower --max-new-tokens")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from absl import logging as absl_logging  # orbax notes read-only restores at WARNING
     absl_logging.set_verbosity(absl_logging.ERROR)
     from jaxllm.config import ConfigError, load_config
     from jaxllm.inference.generate import generate
-    from jaxllm.checkpoint import load_model
+    from jaxllm.checkpoint import check_run_dir, load_model
 
     try:
         prompts = read_prompts(args)
         if args.hf:
             from jaxllm import hf
             (model, cfg), run_dir, step = hf.load(args.hf, args.overrides), args.hf, "-"
-        else:
+        else:  # the stored config first: every input is checked before the checkpoint loads
             run_dir = args.run or load_config(args.config, args.overrides).train.run_dir
-            model, cfg, step = load_model(run_dir, args.step, args.overrides)
+            cfg = load_config(check_run_dir(run_dir) / "config.yaml", args.overrides)
         if args.config:  # the given config wins for inference options
             cfg = cfg.replace(inference=load_config(args.config, args.overrides).inference)
         for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
@@ -87,12 +100,16 @@ def main(argv=None) -> int:
                 from dataclasses import replace
                 cfg = cfg.replace(inference=replace(cfg.inference, **{name: getattr(args, name)}))
         cfg.check()  # across sections (each replaced section checked its own values)
-        inputs = prompts
+        from jaxllm.tokenizer import load_tokenizer
+        tok = load_tokenizer(cfg.data.tokenizer)
         if args.chat:  # one user turn per prompt, through the checkpoint's template
             from jaxllm import chat
-            from jaxllm.tokenizer import load_tokenizer
-            tok = load_tokenizer(cfg.data.tokenizer)
             inputs = [chat.encode(tok, [{"role": "user", "content": p}]) for p in prompts]
+        else:
+            inputs = [tok.encode_prompt(p) for p in prompts]
+        check_prompts(inputs, cfg)
+        if not args.hf:
+            model, _, step = load_model(run_dir, args.step, args.overrides)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -120,6 +137,17 @@ def main(argv=None) -> int:
               f"{rates}), {s['decode_steps']} target steps]", file=sys.stderr)
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """`jaxllm.generate(model, cfg, prompts)` calls `jaxllm.inference.generate.generate`:
+    importing this CLI module binds it as `jaxllm.generate`, so the module is the call."""
+
+    def __call__(self, *args, **kwargs):
+        from jaxllm.inference.generate import generate
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,12 +5,15 @@ import argparse
 import sys
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxllm.train",
                                  description="Train a jaxllm model from a YAML config.")
     ap.add_argument("--config", required=True, help="YAML config file or a run directory")
     ap.add_argument("--no-resume", action="store_true",
                     help="refuse to resume: fail if the run directory holds checkpoints")
+    ap.add_argument("--step", type=int, default=None,
+                    help="resume from this checkpoint step (default: the newest intact one); "
+                         "later checkpoints are moved to RUN_DIR/set_aside/")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the mesh, every parameter's sharding and the compiled step's "
                          "per-device memory, then exit without training")
@@ -21,9 +24,13 @@ def main(argv=None) -> int:
     ap.add_argument("--process-id", type=int,
                     help="multi-host: this process's index (else JAX_PROCESS_ID)")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=100")
-    args = ap.parse_args(argv)
+    return ap
 
-    from jaxllm.config import ConfigError, load_config
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+
+    from jaxllm.config import load_config
     from jaxllm.sharding import initialize_distributed
     from jaxllm.train.trainer import NonFiniteLoss, dry_run, train
 
@@ -33,8 +40,8 @@ def main(argv=None) -> int:
         if args.dry_run:
             print(dry_run(cfg))
             return 0
-        summary = train(cfg, resume=not args.no_resume)
-    except (ConfigError, NonFiniteLoss, FileNotFoundError, FileExistsError) as e:
+        summary = train(cfg, resume=not args.no_resume, from_step=args.step)
+    except (ValueError, NonFiniteLoss, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     eval_loss = summary["eval_loss"]

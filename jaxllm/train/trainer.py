@@ -22,14 +22,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxllm.config import Config, save_config
+from jaxllm.config import Config, ConfigError, load_config, save_config
 from jaxllm.model import build_model
 from jaxllm.model.mtp import mtp_losses
 from jaxllm.sharding import ShardingPlan
 from jaxllm.sharding.memory import describe_memory, step_memory
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.train import data as data_lib
-from jaxllm.checkpoint import Checkpointer, load_model
+from jaxllm.checkpoint import Checkpointer, has_checkpoints, load_model
 from jaxllm.train.optim import lr_schedule, make_optimizer
 
 # Dense bf16 peak FLOP/s by device kind (datasheet figures, without sparsity).
@@ -248,35 +248,66 @@ def evaluate(fns: TrainFns, params, cfg: Config, tokens: np.ndarray, place) -> f
     return float(np.mean(jax.device_get(losses)))
 
 
+def check_resume(cfg: Config, run_dir: Path) -> None:
+    """Refuse, before anything is written, to resume a run directory whose checkpoints were
+    trained with another model (or tokenizer): name the differing keys and the fixes."""
+    stored = run_dir / "config.yaml"
+    if not stored.is_file() or not has_checkpoints(run_dir):
+        return
+    old = load_config(stored).to_dict()
+    new = cfg.to_dict()
+    keys = [("model", k) for k in new["model"] if old["model"].get(k) != new["model"][k]]
+    keys += [("data", "tokenizer")] * (old["data"]["tokenizer"] != new["data"]["tokenizer"])
+    if keys:
+        diff = ", ".join(f"{s}.{k}={new[s][k]!r} (checkpoints: {old[s].get(k)!r})"
+                         for s, k in keys)
+        raise ConfigError(f"{run_dir} holds checkpoints of another model: {diff}; choose a "
+                          f"new train.run_dir, or resume with the stored values "
+                          f"(e.g. --config {run_dir})")
+
+
 def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = None,
-          stop_at: int | None = None) -> dict:
+          stop_at: int | None = None, from_step: int | None = None) -> dict:
     """Train `cfg`; returns {'step', 'loss', 'eval_loss', 'run_dir', 'interrupted'}.
 
-    Resumes from the run directory's latest checkpoint when there is one (and `resume`).
+    Resumes from the run directory's newest intact checkpoint when there is one (and
+    `resume`), or from the checkpoint of `from_step`; later checkpoints are moved aside.
     `stop_at` ends this call early at that step (saving a checkpoint) without changing the
     schedule, which still runs to train.steps; a later call continues from there.
+    Nothing is written to the run directory until the inputs are checked and the
+    checkpoint restored.
     """
     t = cfg.train
     run_dir = Path(t.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    cfg.check()
+    has_ckpt = has_checkpoints(run_dir)
+    if has_ckpt and not resume:
+        raise FileExistsError(f"{run_dir / 'checkpoints'} holds checkpoints; resume, or "
+                              f"choose a new train.run_dir")
+    if from_step is not None and not has_ckpt:
+        raise FileNotFoundError(f"no checkpoints in {run_dir} to resume from step {from_step}")
+    check_resume(cfg, run_dir)
+    plan = sharding_plan(cfg)  # the mesh and batch checks, before any tokenizing
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but "
                          f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
     data = data_lib.load_tokens(cfg.data, tokenizer)
 
-    graphdef, params, opt_state, fns = init_state(cfg)
+    graphdef, params, opt_state, fns = init_state(cfg, plan)
     place = place_batch or fns.plan.place_batch
     if t.distill_from:  # the teacher's logits ride along with every batch
         place = (lambda put, teach: lambda b: teach(put(b)))(place, teacher_fn(cfg, fns.plan))
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
     start = 0
-    if ckpt.latest_step() is not None:
-        if not resume:
-            raise FileExistsError(f"{ckpt.dir} holds checkpoints (latest step "
-                                  f"{ckpt.latest_step()}); resume, or choose a new train.run_dir")
-        params, opt_state, start = ckpt.restore(params, opt_state)
+    if has_ckpt:
+        try:
+            params, opt_state, start = ckpt.restore(params, opt_state, from_step)
+        except Exception:
+            ckpt.close()
+            raise
+        ckpt.set_aside_after(start)  # damaged, or to be written again from this step on
+    save_config(cfg, run_dir / "config.yaml")
     logger = _Logger(cfg, run_dir, start)
     n_params = cfg.model.num_params()
     logger.print(f"model: {n_params / 1e6:.2f}M parameters; data: {len(data.train):,} train / "
@@ -315,6 +346,8 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
                                            num_hosts=jax.process_count())
                 params, opt_state, metrics = fns.step(params, opt_state, place(batch))
                 pending.append(metrics)
+                if len(pending) > 1:  # at most one step in flight, so a signal acts within one
+                    jax.block_until_ready(pending[-2]["loss"])
                 step += 1
                 is_log = step % t.log_every == 0 or step == t.steps
                 is_eval = step % t.eval_every == 0 or step == t.steps
