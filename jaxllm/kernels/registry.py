@@ -35,7 +35,6 @@ class Impl:
     hopper: bool = False  # on a GPU, needs Hopper or newer
     dtypes: tuple[str, ...] | None = None  # None: any floating dtype
     head_dims: tuple[int, ...] | None = None
-    max_head_dim: int | None = None
     with_lse: str | None = None  # its `*_with_lse` function ("module:function"), if any
     check: str | None = None  # the kernel's own `unsupported_reason(*inputs)`, if any
 
@@ -75,8 +74,8 @@ IMPLS = (
     Impl("flash", "xla", f"{_XLA}:xla_attention", with_lse=f"{_REF}:flash_attention_with_lse"),
     Impl("flash", "cudnn", f"{_XLA}:cudnn_attention", platforms=("gpu",), dtypes=_HALF),
     Impl("flash", "pallas_triton", f"{_PALLAS}.flash_triton:flash_attention",
-         platforms=_INTERPRETED, max_head_dim=256,
-         with_lse=f"{_PALLAS}.flash_triton:flash_attention_with_lse"),
+         platforms=_INTERPRETED, with_lse=f"{_PALLAS}.flash_triton:flash_attention_with_lse",
+         check=f"{_PALLAS}.flash_triton:unsupported_reason"),
     Impl("flash", "pallas_mosaic", f"{_PALLAS}.flash_mosaic:flash_attention",
          platforms=_INTERPRETED, hopper=True, dtypes=_HALF, head_dims=(64, 128, 256),
          with_lse=f"{_PALLAS}.flash_mosaic:flash_attention_with_lse",
@@ -165,8 +164,6 @@ def _rejects(e: Impl, args) -> str | None:
         return f"{dtype} inputs (it takes {' or '.join(e.dtypes)})"
     if e.head_dims is not None and d not in e.head_dims:
         return f"head_dim={d} (it takes {' or '.join(map(str, e.head_dims))})"
-    if e.max_head_dim is not None and d > e.max_head_dim:
-        return f"head_dim={d} (it takes at most {e.max_head_dim})"
     return _load(e.check)(*args) if e.check else None
 
 
