@@ -65,24 +65,12 @@ def sampling_sources(args, cfg) -> str:
     return ", ".join(parts)
 
 
-def check_prompts(prompts: list[list[int]], cfg) -> None:
-    """Refuse prompts (token ids) that with inference.max_new_tokens overrun
-    model.max_seq_len."""
-    longest = max(len(p) for p in prompts)
-    room = cfg.model.max_seq_len - cfg.inference.max_new_tokens
-    if longest > room:
-        raise ValueError(f"a prompt of {longest} tokens + --max-new-tokens "
-                         f"{cfg.inference.max_new_tokens} exceeds model.max_seq_len="
-                         f"{cfg.model.max_seq_len}; shorten the prompt to {max(room, 0)} tokens "
-                         f"or lower --max-new-tokens")
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from absl import logging as absl_logging  # orbax notes read-only restores at WARNING
     absl_logging.set_verbosity(absl_logging.ERROR)
     from jaxllm.config import ConfigError, load_config
-    from jaxllm.inference.generate import generate
+    from jaxllm.inference.generate import check_prompts, generate
     from jaxllm.checkpoint import check_run_dir, load_model
 
     try:
@@ -107,7 +95,7 @@ def main(argv=None) -> int:
             inputs = [chat.encode(tok, [{"role": "user", "content": p}]) for p in prompts]
         else:
             inputs = [tok.encode_prompt(p) for p in prompts]
-        check_prompts(inputs, cfg)
+        check_prompts(inputs, cfg.inference.max_new_tokens, cfg.model.max_seq_len)
         if not args.hf:
             model, _, step = load_model(run_dir, args.step, args.overrides)
     except (ConfigError, ValueError, FileNotFoundError) as e:
@@ -119,7 +107,7 @@ def main(argv=None) -> int:
     single = len(prompts) == 1
     if single:  # a chat reply is printed without the prompt
         print("" if args.chat else prompts[0], end="", flush=True)
-    result = generate(model, cfg, inputs, seed=args.seed, return_result=True,
+    result = generate(model, cfg, inputs, tokenizer=tok, seed=args.seed, return_result=True,
                       stream=(lambda s: print(s, end="", flush=True)) if single else None)
     if single:
         print()

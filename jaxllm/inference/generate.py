@@ -160,6 +160,16 @@ def generate_ids(params: DecodeParams, prompts: list[list[int]], *, max_new_toke
     return ids, timings
 
 
+def check_prompts(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int) -> None:
+    """Refuse token-id prompts that with `max_new_tokens` overrun model.max_seq_len."""
+    longest = max(len(p) for p in prompts)
+    room = max_seq_len - max_new_tokens
+    if longest > room:
+        raise ValueError(f"a prompt of {longest} tokens + max_new_tokens {max_new_tokens} "
+                         f"exceeds model.max_seq_len={max_seq_len}; shorten the prompt to "
+                         f"{max(room, 0)} tokens or lower max_new_tokens")
+
+
 def generate(model, cfg: Config, prompts: list[str | list[int]], *,
              max_new_tokens: int | None = None, temperature: float | None = None,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0, tokenizer=None,
@@ -182,10 +192,7 @@ def generate(model, cfg: Config, prompts: list[str | list[int]], *,
     ids = [tokenizer.encode_prompt(p) if isinstance(p, str) else [int(t) for t in p]
            for p in prompts]
     max_new_tokens = inf.max_new_tokens if max_new_tokens is None else max_new_tokens
-    longest = max(len(i) for i in ids) + max_new_tokens
-    if longest > cfg.model.max_seq_len:
-        raise ValueError(f"prompt ({max(len(i) for i in ids)} tokens) + max_new_tokens "
-                         f"({max_new_tokens}) exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    check_prompts(ids, max_new_tokens, cfg.model.max_seq_len)
     params = decode_params(model, cfg)
     on_tokens = None
     if stream is not None and len(prompts) == 1:
