@@ -243,6 +243,34 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    """inference.engine: the serving engine (inference/engine.py) and its paged KV cache."""
+    page_size: int = 16  # tokens per KV page
+    # pages in the pool; 0: as many as `memory_fraction` of the device's free memory holds
+    # after the weights (on the CPU, enough for max_num_seqs full-length sequences)
+    num_pages: int = 0
+    memory_fraction: float = 0.8
+    max_num_seqs: int = 64  # sequences in one step (the step's row buckets go up to it)
+    max_num_batched_tokens: int = 2048  # the per-step token budget (prefill is chunked by it)
+    prefix_caching: bool = True  # reuse full KV pages of a shared prompt prefix
+    max_waiting: int = 1024  # queued requests beyond which new ones are refused (HTTP 429)
+
+    def __post_init__(self):
+        _positive("inference.engine", self, ("page_size", "max_num_seqs",
+                                             "max_num_batched_tokens", "max_waiting"))
+        if self.num_pages < 0:
+            raise ConfigError(f"inference.engine.num_pages={self.num_pages} must be >= 0 "
+                              f"(0 sizes the pool from free memory)")
+        if not 0 < self.memory_fraction <= 1:
+            raise ConfigError(f"inference.engine.memory_fraction={self.memory_fraction} must "
+                              f"lie in (0, 1]")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"inference.engine.max_num_batched_tokens="
+                              f"{self.max_num_batched_tokens} must be >= max_num_seqs="
+                              f"{self.max_num_seqs} (every running sequence gets a token a step)")
+
+
+@dataclass(frozen=True)
 class InferenceConfig:
     max_new_tokens: int = 128
     temperature: float = 0.8
@@ -254,6 +282,7 @@ class InferenceConfig:
     # cache write, SwiGLU, residuals inside the weight reads) for 1-row steps;
     # "auto": pallas_triton on a GPU where the model's shapes fit, else xla
     matmul_impl: MatmulImpl = "auto"
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
         _positive("inference", self, ("max_new_tokens", "decode_chunk"))
