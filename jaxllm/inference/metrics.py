@@ -95,7 +95,7 @@ def summarize(timings: list[RequestTiming], duration_s: float) -> dict:
     return out
 
 
-_TITLES = {"ttft": "time to first token", "tpot": "time per output token (after the first)",
+_TITLES = {"ttft": "time to first token", "tpot": "time per output token (after the 1st)",
            "itl": "inter-token latency", "e2e": "end-to-end latency"}
 
 
