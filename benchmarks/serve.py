@@ -21,9 +21,10 @@ come from separate generators of one seed, so a different rate keeps the same re
 Every request is streamed (`stream_options.include_usage`), greedy, with `ignore_eos` and
 max_tokens = its output length, so every output runs to its length; each has a
 --request-timeout, and a failed one is counted, not fatal. Metrics as vLLM defines them
-(jaxllm/inference/metrics.py). --warmup requests of a second workload (another seed: a
-different shared prefix) go first, untimed, so compilation falls outside the figures;
-preemptions and prefix-cache hits are read from the server's /metrics around the timed run.
+(jaxllm/inference/metrics.py). --warmup requests of a second workload (another seed: other
+ids and another shared prefix, the same lengths) go first, untimed, so that compilation
+falls outside the figures; preemptions and prefix-cache hits are read from the server's
+/metrics around the timed run.
 
 Static batches (--compare-static B, on by default with --run / --hf): after the server is
 stopped, the model is loaded in-process and the same requests run as batches of B in arrival
@@ -479,8 +480,13 @@ def main(argv=None) -> dict:
                  output_len=parse_range(args.output_len, "--output-len"),
                  shared_prefix=args.shared_prefix, rate=args.rate, dataset=dataset)
     reqs = make_workload(args.num_requests, seed=args.seed, **shape)
-    warm = (make_workload(args.warmup, seed=args.seed + 1, **dict(shape, rate=math.inf))
-            if args.warmup else [])
+    # the warm-up: fresh ids of the same lengths, so it leaves nothing in the prefix cache
+    # that the timed requests could hit
+    warm_rows = dataset and [
+        {"prompt_len": len(r["prompt"]) if "prompt" in r else r["prompt_len"],
+         "output_len": r["output_len"]} for r in dataset]
+    warm = (make_workload(args.warmup, seed=args.seed + 1,
+                          **dict(shape, rate=math.inf, dataset=warm_rows)) if args.warmup else [])
     if cfg is not None:
         check_fits(reqs + warm, cfg.model.max_seq_len)
     n_prompt = sum(len(r.prompt) for r in reqs)
@@ -529,9 +535,10 @@ def main(argv=None) -> dict:
                          "shared_prefix": args.shared_prefix, "rate": args.rate,
                          "seed": args.seed, "max_concurrency": args.max_concurrency,
                          "warmup": args.warmup, "server_args": args.server_args})
-    print_table(rows, ROW_COLUMNS, title=f"serving, {len(reqs)} requests, prompts "
-                                         f"{args.prompt_len}, outputs {args.output_len}, "
-                                         f"rate {args.rate}")
+    lengths = (f"dataset {args.dataset}" if args.dataset else
+               f"prompts {args.prompt_len}, outputs {args.output_len}")
+    print_table(rows, ROW_COLUMNS, title=f"serving, {len(reqs)} requests, {lengths}, shared "
+                                         f"prefix {args.shared_prefix}, rate {args.rate}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     return {"rows": rows, "summaries": summaries, "ratios": ratios}
