@@ -71,8 +71,8 @@ def _ragged_kernel(layer_ref, q_starts_ref, kv_lens_ref, tables_ref, q_ref, k_re
                    o_in_ref, o_ref, *, group: int, kv_heads: int, block_q: int, rows: int,
                    page_size: int, block_k: int, n_seqs: int, n_table: int,
                    q_len_min: int, q_len_max: int, scale_log2: float, allow_tf32: bool):
-    """q/o [T, Hkv, G, D] and k/v [L * Hkv, P * page, D] as whole refs; o_in is o's
-    aliased input (never read here)."""
+    """q/o [T, Hq, D] (head h * G + g is head g of kv head h's group) and k/v
+    [L * Hkv, P * page, D] as whole refs; o_in is o's aliased input (never read here)."""
     del o_in_ref
     j, h = pl.program_id(0), pl.program_id(1)
     head_dim = q_ref.shape[-1]
@@ -93,8 +93,8 @@ def _ragged_kernel(layer_ref, q_starts_ref, kv_lens_ref, tables_ref, q_ref, k_re
         q_row = start + tok  # padding rows keep their own indices, masked (never
         # clamped onto a real row, which a masked store could then write twice)
         d = jnp.arange(head_dim)[None, :]
-        q_idx = (jnp.broadcast_to(q_row[:, None], (rows, head_dim)), h,
-                 jnp.broadcast_to((r % group)[:, None], (rows, head_dim)),
+        q_idx = (jnp.broadcast_to(q_row[:, None], (rows, head_dim)),
+                 jnp.broadcast_to((h * group + r % group)[:, None], (rows, head_dim)),
                  jnp.broadcast_to(d, (rows, head_dim)))
         ok2 = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
         q = pltriton.load(q_ref.at[q_idx], mask=ok2, other=0)
@@ -145,12 +145,13 @@ def unsupported_reason(q, k_pages) -> str | None:
     return None
 
 
-def _launch(o, qg, k_flat, v_flat, layer, q_starts, kv_lens, tables, *, kv_heads: int,
+def _launch(o, q, k_flat, v_flat, layer, q_starts, kv_lens, tables, *, kv_heads: int,
             page_size: int, block_q: int, q_len_min: int, q_len_max: int, block_k: int,
             sm_scale: float, num_warps: int, num_stages: int, interpret: bool):
     """One launch over the sequences with q_len_min <= q_len <= q_len_max, writing their
-    rows of o [T, Hkv, G, D] in place (the other rows keep o's values)."""
-    t, _, group, head_dim = qg.shape
+    rows of o [T, Hq, D] in place (the other rows keep o's values)."""
+    t, hq, head_dim = q.shape
+    group = hq // kv_heads
     n_seqs, n_table = tables.shape
     rows = max(_MIN_ROWS, _pow2(block_q * group))
     block_k = max(block_k, page_size)
@@ -158,7 +159,7 @@ def _launch(o, qg, k_flat, v_flat, layer, q_starts, kv_lens, tables, *, kv_heads
         _ragged_kernel, group=group, kv_heads=kv_heads, block_q=block_q, rows=rows,
         page_size=page_size, block_k=block_k, n_seqs=n_seqs, n_table=n_table,
         q_len_min=q_len_min, q_len_max=q_len_max, scale_log2=sm_scale * _LOG2E,
-        allow_tf32=qg.dtype != jnp.float32)  # float32 inputs get float32 products
+        allow_tf32=q.dtype != jnp.float32)  # float32 inputs get float32 products
     return pl.pallas_call(
         kernel,
         grid=(t // block_q + n_seqs, kv_heads),
@@ -169,15 +170,15 @@ def _launch(o, qg, k_flat, v_flat, layer, q_starts, kv_lens, tables, *, kv_heads
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_paged_p{page_size}_bq{block_q}_bk{block_k}",
-    )(layer, q_starts, kv_lens, tables, qg, k_flat, v_flat, o)
+    )(layer, q_starts, kv_lens, tables, q, k_flat, v_flat, o)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "small_q", "block_q", "block_k",
                                              "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts, *,
                            sm_scale: float, layer=None, small_q: int | None = None,
-                           block_q: int | None = None, block_k: int = 64,
-                           num_warps: int = 4, num_stages: int = 2,
+                           block_q: int | None = None, block_k: int | None = None,
+                           num_warps: int = 4, num_stages: int = 3,
                            interpret: bool | None = None):
     """q [T, Hq, D]; k/v pages [Hkv, P, page, D] (or [L, Hkv, P, page, D] with `layer`, read
     in place); block_tables [S, W]; kv_lens [S]; q_starts [S + 1] -> [T, Hq, D].
@@ -185,7 +186,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     small_q: sequences of at most this many new tokens run in the decode launch, in blocks
     of that many tokens (default: as many as fit 16 rows, 16 // G, at least 1);
     block_q: tokens per block of the longer sequences (default: 64 // G, at least small_q);
-    block_k: keys per inner step (raised to the page size).
+    block_k: keys per inner step (raised to the page size; default 128 in the decode
+    launch, 64 in the prefill launch, whose tiles have more rows).
     """
     if k_pages.ndim == 5:
         if layer is None:
@@ -202,22 +204,23 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
         interpret = jax.default_backend() == "cpu"
     small_q = max(1, _MIN_ROWS // group) if small_q is None else small_q
     block_q = max(small_q, 64 // group) if block_q is None else block_q
-    if min(small_q, block_q, block_k) < 1:
-        raise ValueError(f"small_q={small_q}, block_q={block_q} and block_k={block_k} must "
-                         f"be >= 1")
-    if block_k & (block_k - 1):
-        raise ValueError(f"block_k={block_k} must be a power of two")
+    if min(small_q, block_q) < 1:
+        raise ValueError(f"small_q={small_q} and block_q={block_q} must be >= 1")
+    least_k = 1 if interpret else _MIN_ROWS  # tl.dot's least N and K when compiled
+    if block_k is not None and (block_k < least_k or block_k & (block_k - 1)):
+        raise ValueError(f"block_k={block_k} must be a power of two >= {least_k}")
     k_flat, v_flat = (x.reshape(rows_total, num_pages * page_size, head_dim)
                       for x in (k_pages, v_pages))
     args = (k_flat, v_flat, layer, q_starts.astype(jnp.int32), kv_lens.astype(jnp.int32),
             block_tables.astype(jnp.int32))
     launch = functools.partial(_launch, kv_heads=kv_heads, page_size=page_size,
-                               block_k=block_k, sm_scale=sm_scale, num_warps=num_warps,
+                               sm_scale=sm_scale, num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret)
-    qg = q.reshape(t, kv_heads, group, head_dim)
-    o = jnp.zeros_like(qg)  # rows past q_starts[S] stay zero
-    # decode and verify rows: blocks of min(q_len, small_q) tokens
-    o = launch(o, qg, *args, block_q=small_q, q_len_min=1, q_len_max=small_q)
+    o = jnp.zeros_like(q)  # rows past q_starts[S] stay zero
+    # decode and verify rows: blocks of min(q_len, small_q) tokens, 16-row tiles
+    o = launch(o, q, *args, block_q=small_q, q_len_min=1, q_len_max=small_q,
+               block_k=block_k or 128)
     if t > small_q:  # prefill chunks: blocks of block_q tokens
-        o = launch(o, qg, *args, block_q=block_q, q_len_min=small_q + 1, q_len_max=t)
-    return o.reshape(t, hq, head_dim)
+        o = launch(o, q, *args, block_q=block_q, q_len_min=small_q + 1, q_len_max=t,
+                   block_k=block_k or 64)
+    return o
