@@ -1,6 +1,8 @@
 """Ragged paged attention (a flat batch of prefill and decode tokens over the paged cache):
 the jnp reference against a naive per-sequence computation, and the pallas_triton kernel
 (interpret mode on the CPU) against the reference."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,17 +108,23 @@ def test_kernel_matches_reference_reading_nothing_else(name):
 
 def test_small_blocks_several_per_sequence_and_garbage_table_entries():
     """Blocks of 3 tokens (a chunk spans several, the last one partial), keys 8 a step,
-    table entries past a sequence's pages out of range."""
+    table entries past a sequence's pages out of range; new values do not recompile."""
     from jaxllm.kernels.pallas import ragged_triton
     args, clean = _case(3, [(13, 11), (0, 2), (7, 1), (2, 8)], page=4, hq=4, hkv=2,
                         pad_rows=4, pad_seqs=1)
     tables, kv_lens = np.asarray(args[3]), np.asarray(args[4])
     past = np.arange(tables.shape[1])[None, :] >= -(-kv_lens // 4)[:, None]
     args[3] = jnp.asarray(np.where(past, 10**6, tables), jnp.int32)
-    out = ragged_triton.ragged_paged_attention(*args, sm_scale=0.2, small_q=2, block_q=3,
-                                               block_k=8)
-    want = reference.ragged_paged_attention(*clean, sm_scale=0.2)
-    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    kernel = functools.partial(ragged_triton.ragged_paged_attention, sm_scale=0.2,
+                               small_q=2, block_q=3, block_k=8)
+    np.testing.assert_allclose(kernel(*args), reference.ragged_paged_attention(
+        *clean, sm_scale=0.2), atol=2e-5, rtol=2e-5)
+    # other values, same shapes: fewer new tokens a sequence, no recompilation
+    compiled = ragged_triton.ragged_paged_attention._cache_size()
+    args[5] = clean[5] = jnp.asarray([0, 5, 7, 8, 12, 12], jnp.int32)
+    np.testing.assert_allclose(kernel(*args), reference.ragged_paged_attention(
+        *clean, sm_scale=0.2), atol=2e-5, rtol=2e-5)
+    assert ragged_triton.ragged_paged_attention._cache_size() == compiled
 
 
 def test_layer_stack_is_read_in_place_at_the_named_layer():
