@@ -20,7 +20,8 @@ Two launches of the same kernel share one output. One-token (and few-token) sequ
 would waste most of a prefill-sized tile, so sequences with q_len <= `small_q` (decode,
 speculative verify) run in a launch whose blocks hold min(q_len, small_q) tokens x G
 heads in a 16-row tile (as our paged decode kernel), and longer ones (prefill chunks) in
-a second launch with `block_q` = 64 / G tokens (64-row tiles). Each launch skips the
+a second launch with `block_q` = 64 / G tokens (64-row tiles). Keys per inner step:
+`block_k`, 128 in the decode launch (as the paged decode kernel), 64 in the prefill one. Each launch skips the
 other's sequences; the output starts as zeros (padding rows stay zero) and the second
 launch writes into the first's output in place (an aliased buffer).
 
@@ -29,11 +30,14 @@ to the last key its last row can see (causal block skipping): page ids come from
 block table with masked loads (entries past the sequence's ceil(visible / page) pages
 are never read), K/V rows are gathered with masked loads (slots past the visible keys
 are never read), each row is masked at its own position, and an online softmax in
-float32 with base-2 exponentials accumulates the output. Every K/V page a block can see
-is read once per kv head for the whole group.
+float32 with base-2 exponentials accumulates the output. A block reads each K/V page it
+can see once per kv head, for all of the group's query heads at once.
 
-No split of long contexts across programs: a step's programs are at least Hkv x the
-number of sequences, and a decode step is memory-bound on the K/V read.
+Costs of the design: a decode-only step still launches the prefill kernel, whose
+programs all find no sequence of theirs and return after the search; and there is no
+split of long contexts across programs (flash-decoding): the decode launch has Hkv
+programs per sequence, which fills the GPU at serving batch sizes but not for a few long
+sequences alone.
 """
 from __future__ import annotations
 
