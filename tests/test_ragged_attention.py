@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import ragged_paged_attention, reference
+from jaxllm.kernels.pallas import ragged_triton
 
 
 def _case(seed, seqs, *, page, hq, hkv, d=32, pad_rows=0, pad_seqs=0, dtype=jnp.float32):
@@ -109,7 +110,6 @@ def test_kernel_matches_reference_reading_nothing_else(name):
 def test_small_blocks_several_per_sequence_and_garbage_table_entries():
     """Blocks of 3 tokens (a chunk spans several, the last one partial), keys 8 a step,
     table entries past a sequence's pages out of range; new values do not recompile."""
-    from jaxllm.kernels.pallas import ragged_triton
     args, clean = _case(3, [(13, 11), (0, 2), (7, 1), (2, 8)], page=4, hq=4, hkv=2,
                         pad_rows=4, pad_seqs=1)
     tables, kv_lens = np.asarray(args[3]), np.asarray(args[4])
@@ -169,3 +169,20 @@ def test_gpu_bf16_mixed_step_matches_reference():
     want = ragged_paged_attention(*clean, impl="reference")
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                atol=2e-2, rtol=2e-2)
+
+
+def test_lowers_for_the_gpu():
+    """The Triton lowering (to Triton IR, then StableHLO) on any machine: the interpreter
+    above never sees the Triton lowering rules. Both launches, a layer stack with a traced
+    layer, float32 and bf16."""
+    def lower(dtype, q, pages, *, layer=False):
+        def fn(q, k, v, tables, kv_lens, q_starts, *layer):
+            return ragged_triton.ragged_paged_attention(
+                q, k, v, tables, kv_lens, q_starts, layer=layer[0] if layer else None,
+                sm_scale=0.1, interpret=False)
+        shapes = [(q, dtype), (pages, dtype), (pages, dtype), ((5, 8), jnp.int32),
+                  ((5,), jnp.int32), ((6,), jnp.int32)] + [((), jnp.int32)] * layer
+        args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    lower(jnp.bfloat16, (64, 32, 128), (8, 32, 16, 128))
+    lower(jnp.float32, (48, 16, 64), (3, 2, 32, 16, 64), layer=True)
