@@ -22,7 +22,7 @@ The config's model with random weights (speed does not depend on them), bf16 on 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import gc
 import statistics
 import time
 
@@ -71,7 +71,8 @@ def step_bytes(cfg, kv_tokens: int) -> int:
     return jnp.dtype(m.dtype).itemsize * (weights + kv)
 
 
-def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: float) -> dict:
+def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: float,
+                profile_dir: str | None = None) -> dict:
     rng = np.random.default_rng(0)
     lengths = rng.integers(context[0], context[1] + 1, batch)
     a = engine.scheduler.allocator
@@ -100,6 +101,21 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         k, v, out = fn(run.params, k, v, dev)
     jax.block_until_ready(out)
     device = (time.perf_counter() - t) / steps
+    if profile_dir:  # the kernels of a few steps
+        from benchmarks.decode import busy_ns, gpu_kernels
+        with jax.profiler.trace(profile_dir):
+            for _ in range(5):
+                k, v, out = fn(run.params, k, v, dev)
+            jax.block_until_ready(out)
+        kernels = gpu_kernels(profile_dir)
+        agg = {}
+        for name, _, dur in kernels:
+            c = agg.setdefault(name[:60], [0, 0])
+            c[0], c[1] = c[0] + 1, c[1] + dur
+        top = [{"kernel": n, "calls/step": c / 5, "us/step": d / 5e3}
+               for n, (c, d) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:15]]
+        print_table(top, title=f"decode step, batch {batch}: top kernels "
+                               f"(busy {busy_ns(kernels) / 5e3:.0f} us/step)")
     run.k, run.v = k, v
     for s in scheduled:
         a.free(s.request.seq)
@@ -178,6 +194,8 @@ def main(argv=None):
     ap.add_argument("--prefix-len", type=int)
     ap.add_argument("--prefix-requests", type=int)
     ap.add_argument("--quick", action="store_true", help="a tiny CPU-sized run (smoke test)")
+    ap.add_argument("--profile", metavar="DIR", help="trace the decode step; print its kernels")
+    ap.add_argument("--only-step", action="store_true", help="the decode step alone")
     ap.add_argument("overrides", nargs="*")
     add_args(ap, rounds=None)
     args = ap.parse_args(argv)
@@ -200,22 +218,27 @@ def main(argv=None):
              "buckets": len(engine.runner.buckets), "pages": engine.num_pages}]
     print(rows[-1], flush=True)
     bw = read_bandwidth()
-    rows.append(decode_step(engine, cfg, args.batch, span(args.context), bw))
+    print(f"read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows.append(decode_step(engine, cfg, args.batch, span(args.context), bw, args.profile))
     print(rows[-1], flush=True)
+    if args.only_step:
+        print_table(rows, title="serving engine (in process)")
+        return
     prompts, outputs = workload(args.requests, span(args.prompt_len), span(args.output_len),
                                 min(cfg.model.vocab_size, 32000))
     rows.append(continuous(engine, prompts, outputs))
     print(rows[-1], flush=True)
+    del engine  # its page pool
+    gc.collect()
     rows.append(static(params, prompts, outputs, args.batch))
     print(rows[-1], flush=True)
     rows[-2]["x static"] = rows[-2]["output tok/s"] / rows[-1]["output tok/s"]
-    del engine
     for caching in (True, False):
         rows.append(prefix_ttft(model, cfg, params, args.prefix_len, args.prefix_requests,
                                 caching, **engine_kw))
         print(rows[-1], flush=True)
+        gc.collect()
     rows[-2]["x off"] = rows[-1]["median TTFT ms"] / rows[-2]["median TTFT ms"]
-    print(f"read bandwidth {bw / 1e12:.2f} TB/s")
     print_table(rows, title="serving engine (in process)")
     write_json(args.json, rows, read_bandwidth=bw)
 

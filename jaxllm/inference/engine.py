@@ -199,7 +199,7 @@ class Engine:
 
     # ---- internals ----
     def _pages_that_fit(self) -> int:
-        """inference.engine.memory_fraction of the device's free memory, at most four full
+        """inference.engine.memory_fraction of the device's free memory, at most two full
         contexts per sequence slot; on a device without memory figures (the CPU), one full
         context per sequence slot."""
         c = self.model_config
@@ -215,7 +215,7 @@ class Engine:
             raise ValueError(f"only {pages} KV pages fit in free device memory, fewer than one "
                              f"context of {self.max_model_len} tokens; set "
                              f"inference.engine.num_pages or lower model.max_seq_len")
-        return min(pages, 4 * full)
+        return min(pages, 2 * full)
 
     def _banned(self, p: SamplingParams) -> list[int]:
         return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids)))
