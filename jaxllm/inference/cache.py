@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.kernels import decode_attention, paged_attention
+from jaxllm.kernels._ragged_tmp import ragged_paged_attention
 from jaxllm.kernels.reference import gather_pages
 from jaxllm.kernels.xla import cached_attention
 
@@ -142,9 +143,9 @@ class PageAllocator:
                 raise ValueError(f"sequence {s} would need {total} pages for {length + n} tokens; "
                                  f"max_pages_per_seq={self.max_pages_per_seq}")
             need += total - len(pages) + int(self._needs_copy(s, n))
-        if need > len(self._free):
+        if need > self.num_free:
             raise OutOfPagesError(f"need {need} free pages for this append but only "
-                                  f"{len(self._free)} of {self.num_pages} are free; free or "
+                                  f"{self.num_free} of {self.num_pages} are free; free or "
                                   f"preempt sequences, or make the pool larger")
         slots, copies = [], []
         for s, n in zip(seqs, counts):
@@ -388,3 +389,32 @@ class PagedCache(NamedTuple):
         k = gather_pages(self.k[layer], self.block_tables).swapaxes(1, 2)  # (B, Hkv, T, D)
         v = gather_pages(self.v[layer], self.block_tables).swapaxes(1, 2)
         return cached_attention(q.astype(self.k.dtype), k, v, positions)
+
+
+class RaggedPagedCache(NamedTuple):
+    """The paged cache as a serving-engine step sees it: one flat batch of new tokens from
+    many sequences (decode rows and prefill chunks), as a single row (B = 1, S = T).
+
+    slots int32 [T]: each new token's flat pool slot (out of range for padding: dropped);
+    block_tables int32 [N, W], kv_lens int32 [N] (cached tokens of each sequence, the new
+    ones included) and q_starts int32 [N + 1] (its new tokens' rows) are those of
+    `kernels.ragged_paged_attention`."""
+    k: jax.Array  # [L, Hkv, P, page, D]
+    v: jax.Array
+    slots: jax.Array
+    block_tables: jax.Array
+    kv_lens: jax.Array
+    q_starts: jax.Array
+
+    def write(self, layer: int, k, v, positions) -> "RaggedPagedCache":
+        k_pool, v_pool = write_layer(self.k, self.v, layer, k[0], v[0], self.slots)
+        return self._replace(k=k_pool, v=v_pool)
+
+    def attend(self, layer: int, q, positions, *, window: int | None = None,
+               impl: str = "auto", counters=None):
+        if window is not None:
+            raise ValueError("the paged cache has no sliding-window attention; use the "
+                             "contiguous cache for models with model.sliding_window")
+        o = ragged_paged_attention(q[0].astype(self.k.dtype), self.k, self.v,
+                                   self.block_tables, self.kv_lens, self.q_starts, layer=layer)
+        return o[None]

@@ -151,14 +151,23 @@ def forward(params: DecodeParams, tokens, cache, start, *, prefill: bool = False
     prefill=True is for rows that start at 0: attention over the new tokens alone is then
     exact (the flash kernel)."""
     b, s = tokens.shape
-    positions = _positions(start, s)
     fused = (not prefill and b * s <= params.fused_rows
              and isinstance(cache, ContiguousCache))
+    x, cache = hidden_states(params, tokens, _positions(start, s), cache, prefill=prefill,
+                             fused=fused)
+    return logits(params, x), cache, x
+
+
+def hidden_states(params: DecodeParams, tokens, positions, cache, *, prefill: bool = False,
+                  fused: bool = False):
+    """tokens (B, S) at any positions (B, S) through every layer -> (hidden (B, S, d),
+    cache), before the final norm. The serving engine's flat batches come this way (its
+    cache knows which sequence each token belongs to); `forward` is the common case."""
     x = embed(params, tokens)
     for layer, lp in enumerate(params.layers):
         x, cache = block(params.cfg, lp, x, positions, cache, layer, prefill=prefill,
                          fused=fused)
-    return logits(params, x), cache, x
+    return x, cache
 
 
 def mtp_forward(params: DecodeParams, depth: int, h, tokens, cache, start, *,

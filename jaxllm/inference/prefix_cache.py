@@ -1,0 +1,122 @@
+"""Prefix caching: full KV pages found again by the tokens that filled them.
+
+A full page is keyed by a chain hash, h_j = H(h_{j-1}, tokens of page j), so equal keys mean
+equal tokens from the start of the sequence up to the page's end, and so equal K/V. A new
+sequence takes every cached page of its prefix (`allocate_prefix`: refcounts go up, nothing
+is copied); pages it fills are registered as they fill (`register`). A cached page whose last
+user is gone is not freed but parked, least recently used first, and handed out again as an
+empty page only when no never-used page is left (eviction drops its key).
+
+The prefix a sequence takes stops before the page holding its last known token, so that
+token is always computed (its logits are needed) and every write lands in a page the
+sequence owns alone: shared pages are never written, and need no copy.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from jaxllm.inference.cache import PageAllocator
+
+
+def chain_hash(parent: bytes, tokens) -> bytes:
+    """The key of a full page holding `tokens`, after the page keyed `parent` (b"" first)."""
+    return hashlib.blake2b(parent + np.asarray(tokens, np.int64).tobytes(),
+                           digest_size=16).digest()
+
+
+class PrefixCachingAllocator(PageAllocator):
+    """A PageAllocator whose full pages outlive their sequences as a prefix cache.
+
+    `num_free` counts never-used pages and parked cached ones: both can be handed out."""
+
+    def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
+        super().__init__(num_pages, page_size, max_pages_per_seq)
+        self._page_of: dict[bytes, int] = {}  # key -> page
+        self._key_of: dict[int, bytes] = {}  # page -> key
+        self._parked: OrderedDict[int, None] = OrderedDict()  # cached, unused; LRU first
+        self._keys: dict[int, list[bytes]] = {}  # seq -> keys of its leading full pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._parked)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages holding a registered prefix (in use or parked)."""
+        return len(self._key_of)
+
+    def match(self, tokens) -> list[int]:
+        """The cached pages of the longest registered prefix of `tokens`, stopping before
+        the page that holds the last token."""
+        ps, pages, key = self.page_size, [], b""
+        for j in range((len(tokens) - 1) // ps):
+            key = chain_hash(key, tokens[j * ps:(j + 1) * ps])
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def allocate_prefix(self, tokens) -> tuple[int, int]:
+        """A new sequence holding the cached prefix of `tokens` -> (seq, cached tokens)."""
+        pages = self.match(tokens)
+        seq = self.allocate()
+        for p in pages:
+            if self._refs[p] == 0:
+                del self._parked[p]
+            self._refs[p] += 1
+        self._pages[seq] = pages
+        self._lengths[seq] = len(pages) * self.page_size
+        self._keys[seq] = [self._key_of[p] for p in pages]
+        return seq, self._lengths[seq]
+
+    def register(self, seq: int, tokens) -> None:
+        """Key the full pages of `seq` whose tokens (`tokens`: the sequence's, from the
+        start) are now written. A page whose key is already held by another page stays
+        unkeyed (two sequences computed the same prefix at once)."""
+        keys = self._keys.setdefault(self._check(seq), [])
+        pages, ps = self._pages[seq], self.page_size
+        full = min(self._lengths[seq], len(tokens)) // ps
+        while len(keys) < full:
+            j = len(keys)
+            key = chain_hash(keys[-1] if keys else b"", tokens[j * ps:(j + 1) * ps])
+            if key not in self._page_of and pages[j] not in self._key_of:
+                self._page_of[key], self._key_of[pages[j]] = pages[j], key
+            keys.append(key)
+
+    def free(self, seq: int) -> None:
+        self._keys.pop(seq, None)
+        super().free(seq)
+
+    def truncate(self, seq: int, length: int) -> None:
+        keys = self._keys.get(seq)
+        if keys is not None:
+            del keys[length // self.page_size:]
+        super().truncate(seq, length)
+
+    def fork(self, seq: int) -> int:
+        child = super().fork(seq)
+        self._keys[child] = list(self._keys.get(seq, []))
+        return child
+
+    def _take(self) -> int:
+        if self._free:
+            page = self._free.pop()
+        else:  # evict the least recently used parked page
+            page, _ = self._parked.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)]
+        assert self._refs[page] == 0, f"page {page} handed out while still referenced"
+        self._refs[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        self._refs[page] -= 1
+        assert self._refs[page] >= 0
+        if self._refs[page] == 0:
+            if page in self._key_of:
+                self._parked[page] = None  # most recently used last
+            else:
+                self._free.append(page)

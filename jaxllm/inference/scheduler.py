@@ -1,0 +1,174 @@
+"""The serving engine's scheduler: which tokens of which requests run in the next step.
+
+Host-side and pure Python, as vLLM v1 schedules: each step has a token budget
+(`max_num_batched_tokens`). Running requests come first, those decoding (one token to
+run) before those still prefilling, oldest first; a prefill takes what is left of the
+budget, so long prompts are chunked and share steps with decode rows. Then waiting
+requests are admitted, first come first served, while the budget, the sequence limit
+(`max_num_seqs`) and the free pages allow; with prefix caching a new request starts after
+the cached pages of its prompt.
+
+When a running request needs a page and none is free, the newest running request is
+preempted: its pages are freed and it goes back to the front of the queue with its
+generated tokens kept, to be recomputed (prompt + output) when there is room. Nothing is
+lost, and a request that fits the pool alone always completes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+import numpy as np
+
+from jaxllm.inference.cache import OutOfPagesError, PageAllocator
+from jaxllm.inference.prefix_cache import PrefixCachingAllocator
+from jaxllm.inference.requests import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    number: int  # arrival order
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    output: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + output
+    seq: int | None = None  # the allocator's sequence while it holds pages
+    computed: int = 0  # tokens whose K/V are in its pages
+    cached_tokens: int = 0  # prompt tokens that came from the prefix cache (first admission)
+    admitted: bool = False
+    preemptions: int = 0
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt) + list(self.output)
+
+    @property
+    def to_compute(self) -> int:
+        return len(self.tokens) - self.computed
+
+
+@dataclasses.dataclass
+class Scheduled:
+    """A request's share of a step: `n` tokens from position `start`, at pool `slots`;
+    `sample`: the step reaches the end of its known tokens, so it draws the next one."""
+    request: Request
+    start: int
+    n: int
+    slots: np.ndarray
+    sample: bool
+
+
+class Scheduler:
+    def __init__(self, *, num_pages: int, page_size: int, max_pages_per_seq: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool):
+        cls = PrefixCachingAllocator if prefix_caching else PageAllocator
+        self.allocator = cls(num_pages, page_size, max_pages_per_seq)
+        self.prefix_caching = prefix_caching
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    # ---- requests in and out ----
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def finish(self, request: Request) -> None:
+        """Drop a request wherever it is and free its pages at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+
+    @property
+    def pages_used(self) -> int:
+        a = self.allocator
+        return a.num_pages - a.num_free
+
+    # ---- one step ----
+    def schedule(self) -> list[Scheduled]:
+        budget, out = self.budget, []
+        preemptions = self.preemptions
+        order = sorted(self.running, key=lambda r: (r.to_compute > 1, r.number))
+        for req in order:
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted earlier in this pass
+                continue
+            n = min(req.to_compute, budget)
+            slots = self._reserve_or_preempt(req, n)
+            if self.preemptions != preemptions:  # drop what the preempted had been given
+                kept = [s for s in out if s.request in self.running]
+                budget += sum(s.n for s in out) - sum(s.n for s in kept)
+                out = kept
+            if slots is None:  # req itself was preempted: the pool is as full as it gets
+                break
+            out.append(self._scheduled(req, n, slots))
+            budget -= n
+        preempted = self.preemptions != preemptions
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            if self.prefix_caching:
+                seq, cached = self.allocator.allocate_prefix(req.tokens)
+            else:
+                seq, cached = self.allocator.allocate(), 0
+            n = min(len(req.tokens) - cached, budget)
+            try:
+                (slots,), _ = self.allocator.append([seq], [n])
+            except OutOfPagesError:
+                self.allocator.free(seq)
+                break
+            self.waiting.popleft()
+            if not req.admitted:  # counted once, not again after a preemption
+                self.prefix_queries += len(req.prompt)
+                self.prefix_hits += cached
+                req.cached_tokens, req.admitted = cached, True
+            req.seq, req.computed = seq, cached
+            self.running.append(req)
+            out.append(self._scheduled(req, n, slots))
+            budget -= n
+        return out
+
+    def step_done(self, scheduled: list[Scheduled]) -> None:
+        """After the step ran: its tokens are computed; key the pages they filled."""
+        for s in scheduled:
+            r = s.request
+            if r.seq is None:
+                continue
+            r.computed = s.start + s.n
+            if self.prefix_caching:
+                self.allocator.register(r.seq, r.tokens)
+
+    # ---- internals ----
+    def _scheduled(self, req: Request, n: int, slots) -> Scheduled:
+        return Scheduled(req, req.computed, n, slots, req.computed + n == len(req.tokens))
+
+    def _reserve_or_preempt(self, req: Request, n: int):
+        while True:
+            try:
+                (slots,), copies = self.allocator.append([req.seq], [n])
+                assert not copies, "the engine never writes a shared page"
+                return slots
+            except OutOfPagesError:
+                victim = max(self.running, key=lambda r: r.number)
+                self._preempt(victim)
+                if victim is req:
+                    return None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.computed, req.preemptions = 0, req.preemptions + 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req.seq is not None:
+            self.allocator.free(req.seq)
+            req.seq = None
