@@ -22,6 +22,7 @@ from jaxllm.inference.engine import AsyncEngine, Engine
 from jaxllm.inference.generate import generate_ids
 from jaxllm.inference.params import decode_params
 from jaxllm.model import build_model
+from jaxllm.serve import app as serve_app
 from jaxllm.serve import create_app
 from jaxllm.serve.metrics import COUNTERS, GAUGES
 from jaxllm.tokenizer import ByteTokenizer, HFTokenizer
@@ -287,21 +288,49 @@ def test_client_disconnect_aborts_the_stream(served):
     assert after["generation_tokens"] - before["generation_tokens"] < n  # cut short
 
 
+def test_client_disconnect_aborts_a_plain_request(served, monkeypatch):
+    monkeypatch.setattr(serve_app, "DISCONNECT_POLL_S", 0.01)
+    engine = served.aeng.engine
+    before = _idle(engine)
+    n = MAX_LEN - 16
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=TIMEOUT)
+    conn.request("POST", "/v1/completions", body=json.dumps({
+        "model": NAME, "prompt": PROMPT, "max_tokens": n, "temperature": 0,
+        "ignore_eos": True}), headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + TIMEOUT
+    while engine.stats()["running"] == 0:  # it started
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    after = _idle(engine)
+    assert after["generation_tokens"] - before["generation_tokens"] < n
+
+
 def test_full_queue_is_429_and_no_template_is_400(model_cfg, tokenizer):
-    """An engine whose thread never runs holds its one queued request: the next is refused.
+    """An engine that queues one request at most and never takes its queue in (its thread
+    runs, but hands nothing to the engine): the first request waits, the next is refused.
     A tokenizer without a chat template cannot serve chat."""
     model, cfg = model_cfg
+    # the same step shapes as the module's engine: its compiled steps are reused
     aeng = AsyncEngine(Engine(model, cfg, tokenizer=tokenizer, **{**ENGINE, "max_waiting": 1}))
+    aeng._apply_commands = lambda: None  # added requests stay queued
+    aeng.start()
     s = Served(create_app(aeng, ByteTokenizer(), NAME, cfg))
     try:
         with pytest.raises(openai.BadRequestError) as e:
             s.client.chat.completions.create(model=NAME, messages=[{"role": "user",
                                                                     "content": "hi"}])
         assert e.value.body["param"] == "messages" and "template" in e.value.body["message"]
-        def queued():  # held in the queue until its client gives up
-            with pytest.raises(openai.APITimeoutError):
+
+        outcome = []
+
+        def queued():  # held in the queue until its client gives up (or refused, if the
+            try:       # loop below got its request in first)
                 s.client.with_options(timeout=3.0).completions.create(
                     model=NAME, prompt=[1, 2, 3], max_tokens=2)
+            except (openai.APITimeoutError, openai.RateLimitError) as e:
+                outcome.append(type(e))
 
         first = threading.Thread(target=queued, daemon=True)
         first.start()
@@ -317,5 +346,7 @@ def test_full_queue_is_429_and_no_template_is_400(model_cfg, tokenizer):
                 pass
             assert time.monotonic() < deadline
         first.join(TIMEOUT)
+        assert len(outcome) == 1
     finally:
         s.stop()
+        aeng.stop()

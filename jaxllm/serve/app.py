@@ -380,8 +380,9 @@ def _usage(outs) -> dict:
 
 
 def _dead(aeng) -> APIError:
-    return APIError(503, f"the engine has stopped ({aeng.error!r}); restart the server",
-                    code="engine_dead")
+    why = f"the engine has stopped ({aeng.error!r})" if aeng.error is not None else \
+        "the engine thread is not running"
+    return APIError(503, f"{why}; restart the server", code="engine_dead")
 
 
 def _field_named(message: str) -> str | None:
