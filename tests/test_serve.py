@@ -22,6 +22,7 @@ from jaxllm.inference.engine import AsyncEngine, Engine
 from jaxllm.inference.generate import generate_ids
 from jaxllm.inference.params import decode_params
 from jaxllm.model import build_model
+from jaxllm.serve import __main__ as serve_cli
 from jaxllm.serve import app as serve_app
 from jaxllm.serve import create_app
 from jaxllm.serve.metrics import COUNTERS, GAUGES
@@ -152,6 +153,14 @@ def test_completion_greedy_matches_the_model(served, tokenizer, params):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
         (len(ids), 12, len(ids) + 12)
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+    # a stop string cuts the text before it
+    stop = want[5:7]
+    r = served.client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12,
+                                         temperature=0, stop=[stop],
+                                         extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want[:want.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
 
     # the same prompt as ids, and a list of prompts: one choice each, in order
     other = tokenizer.encode_prompt("answer briefly")
@@ -350,3 +359,34 @@ def test_full_queue_is_429_and_no_template_is_400(model_cfg, tokenizer):
     finally:
         s.stop()
         aeng.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_dead_engine_is_503(model_cfg, tokenizer):
+    model, cfg = model_cfg
+    aeng = AsyncEngine(Engine(model, cfg, tokenizer=tokenizer, **ENGINE))
+
+    def broken():
+        raise RuntimeError("a failing step")
+
+    aeng.engine.step = broken
+    aeng.start()
+    s = Served(create_app(aeng, tokenizer, NAME, cfg))
+    try:
+        with pytest.raises(openai.InternalServerError) as e:  # the request that killed it
+            s.client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4)
+        assert e.value.status_code == 503 and "a failing step" in e.value.body["message"]
+        assert s.get("/health")[0] == 503
+        with pytest.raises(openai.InternalServerError) as e:  # refused at once
+            s.client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4)
+        assert e.value.status_code == 503
+    finally:
+        s.stop()
+        aeng.stop()
+
+
+def test_cli_refuses_a_missing_run(tmp_path, capsys):
+    assert serve_cli.main(["--run", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert serve_cli.main(["--hf", str(tmp_path), "--port", "70000"]) == 2
