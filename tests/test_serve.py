@@ -189,6 +189,14 @@ def test_streamed_completion_joins_to_the_reply(served):
     assert usage.usage.prompt_tokens == whole.usage.prompt_tokens
     assert len({c.id for c in chunks}) == 1
 
+    # two prompts in one stream: each choice's chunks join to its own reply
+    kw["prompt"] = [PROMPT, "answer briefly"]
+    whole = served.client.completions.create(**kw)
+    texts = ["", ""]
+    for c in served.client.completions.create(**kw, stream=True):
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [c.text for c in whole.choices]
+
 
 def test_chat_reply_and_stream(served, model_cfg, tokenizer):
     model, cfg = model_cfg

@@ -70,7 +70,11 @@ def main(argv=None) -> int:
 
     name = args.served_model_name or Path(source).resolve().name
     print(f"[model from {source}, step {step}; building the engine]", file=sys.stderr)
-    engine = Engine(model, cfg, tokenizer=tok)
+    try:
+        engine = Engine(model, cfg, tokenizer=tok)
+    except ValueError as e:  # a model or pool the engine cannot serve
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     aeng = AsyncEngine(engine)
     aeng.start()
     try:

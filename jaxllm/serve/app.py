@@ -174,7 +174,7 @@ class _Server:
         try:
             return body.sampling_params(max_tokens)
         except ValueError as e:
-            param = _field_named(str(e)) or "max_tokens"
+            param = _field_named(str(e)) or _field_in(str(e)) or "max_tokens"
             message = str(e)
             if param == "max_tokens" and max_tokens_field != "max_tokens":
                 param, message = max_tokens_field, message.replace("max_tokens", max_tokens_field)
@@ -192,7 +192,7 @@ class _Server:
                     param = max_tokens_field
                     message = message.replace("max_tokens", max_tokens_field)
                 else:
-                    param = _field_named(message) or prompt_field
+                    param = _field_named(message) or _field_in(message) or prompt_field
                 raise APIError(400, message, param=param) from e
         streams = []
         try:
@@ -287,6 +287,10 @@ class _Server:
     def _engine_error(self, e: Exception) -> APIError:
         if not self.aeng.healthy:
             return _dead(self.aeng)
+        if isinstance(e, QueueFullError):  # refused when it reached the engine
+            return APIError(429, f"the server is busy: {e}", code="queue_full")
+        if isinstance(e, ValueError):
+            return APIError(400, str(e), param=_field_named(str(e)) or _field_in(str(e)))
         return APIError(500, f"the request failed in the engine: {e!r}", code="engine_error")
 
     async def _completion_chunks(self, rid, streams, body):
@@ -389,6 +393,17 @@ def _field_named(message: str) -> str | None:
     """The field a ValueError of SamplingParams or the engine names first (`name=value`)."""
     m = re.match(r"\s*(\w+)=", message)
     return m.group(1) if m else None
+
+
+_FIELDS = ("min_tokens", "stop_token_ids", "stop", "ignore_eos", "temperature", "top_p",
+           "top_k", "seed")
+
+
+def _field_in(message: str) -> str | None:
+    """The sampling field a message mentions first."""
+    found = [(m.start(), name) for name in _FIELDS
+             if (m := re.search(rf"\b{name}\b", message))]
+    return min(found)[1] if found else None
 
 
 def _validation_api_error(e: RequestValidationError) -> APIError:
