@@ -112,7 +112,7 @@ class _Server:
         streams = await self._submit(ids, params, "prompt", "max_tokens")
         rid = new_id("cmpl")
         if body.stream:
-            return _sse(self._completion_chunks(rid, streams, body))
+            return _sse(self._completion_chunks(rid, streams, body), streams)
         outs = await self._collect(streams, request)
         return {"id": rid, "object": "text_completion", "created": now(),
                 "model": self.model_name,
@@ -141,7 +141,7 @@ class _Server:
         streams = await self._submit([ids], params, "messages", field)
         rid = new_id("chatcmpl")
         if body.stream:
-            return _sse(self._chat_chunks(rid, streams[0], body))
+            return _sse(self._chat_chunks(rid, streams[0], body), streams)
         (out,) = await self._collect(streams, request)
         return {"id": rid, "object": "chat.completion", "created": now(),
                 "model": self.model_name,
@@ -348,8 +348,13 @@ class _Server:
 
 
 class _SSEResponse(StreamingResponse):
-    """Closes its chunk generator however the response ends (a failed send included), so a
-    stream whose client went away is aborted at once, not when the generator is collected."""
+    """Closes its chunk generator and aborts its engine streams however the response ends (a
+    failed send included, or one before the first chunk), so a request whose client went
+    away is aborted at once, not when the generator is collected."""
+
+    def __init__(self, content, streams, **kwargs):
+        super().__init__(content, **kwargs)
+        self.streams = streams
 
     async def stream_response(self, send) -> None:
         try:
@@ -357,9 +362,11 @@ class _SSEResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                for s in self.streams:  # a no-op for a finished stream
+                    await s.abort()
 
 
-def _sse(chunks) -> StreamingResponse:
+def _sse(chunks, streams) -> StreamingResponse:
     async def events():
         try:
             async for c in chunks:
@@ -369,7 +376,7 @@ def _sse(chunks) -> StreamingResponse:
             with anyio.CancelScope(shield=True):
                 await chunks.aclose()
 
-    return _SSEResponse(events(), media_type="text/event-stream",
+    return _SSEResponse(events(), streams, media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -19,7 +19,8 @@ GAUGES = {
 # stats() key -> (counter name without _total, help)
 COUNTERS = {
     "preemptions": ("jaxllm_preemptions", "Sequences preempted for want of KV pages."),
-    "prefix_queries": ("jaxllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_queries": ("jaxllm_prefix_cache_queries",
+                       "Prompt tokens looked up in the prefix cache."),
     "prefix_hits": ("jaxllm_prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "prompt_tokens": ("jaxllm_prompt_tokens", "Prompt tokens processed."),
     "generation_tokens": ("jaxllm_generation_tokens", "Tokens generated."),
