@@ -9,6 +9,7 @@ steps before the first request), and serves the OpenAI API (/v1/completions,
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -81,7 +82,11 @@ def main(argv=None) -> int:
         app = create_app(aeng, tok, name, cfg)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                 timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)  # its SIGINT / SIGTERM handlers end serve()
+        server = uvicorn.Server(config)  # its SIGINT / SIGTERM handlers end run()
+        # uvicorn re-sends the signal once it has shut down, to the handlers it found: these
+        # take it, so the engine thread is stopped below rather than the process killed
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(f"[serving {name!r} at http://{host}:{args.port}/v1 "
               f"(max_model_len {engine.max_model_len}); Ctrl-C stops]", file=sys.stderr)
