@@ -46,17 +46,20 @@ def test_auto_on_an_older_gpu_and_on_the_cpu(on_gpu, monkeypatch):
     monkeypatch.setattr(registry, "_platform", lambda: "cpu")
     assert pick("flash", "auto", *_qkv(128)).name == "reference"
     assert pick("paged").name == "reference"
+    assert pick("ragged").name == "reference"
     assert pick("decode").name == "xla"
     assert pick("matmul").name == "xla"
     assert "cudnn" not in available("flash")
 
 
-def test_decode_paged_and_matmul_auto_on_a_gpu(on_gpu):
+def test_decode_paged_ragged_and_matmul_auto_on_a_gpu(on_gpu):
     q = jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16)
     pages = jax.ShapeDtypeStruct((2, 10, 16, 64), jnp.bfloat16)
     assert pick("paged", "auto", q, pages).name == "pallas_triton"
     odd_pages = jax.ShapeDtypeStruct((2, 10, 12, 64), jnp.bfloat16)
     assert pick("paged", "auto", q, odd_pages).name == "reference"  # page size 12
+    assert pick("ragged", "auto", q, pages).name == "pallas_triton"
+    assert pick("ragged", "auto", q, odd_pages).name == "reference"
     qd = jax.ShapeDtypeStruct((2, 1, 8, 64), jnp.bfloat16)
     cache = jax.ShapeDtypeStruct((2, 2, 100, 64), jnp.bfloat16)
     assert pick("decode", "auto", qd, cache).name == "pallas_triton"

@@ -29,8 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.kernels import decode_attention, paged_attention
-from jaxllm.kernels._ragged_tmp import ragged_paged_attention
+from jaxllm.kernels import decode_attention, paged_attention, ragged_paged_attention
 from jaxllm.kernels.reference import gather_pages
 from jaxllm.kernels.xla import cached_attention
 

@@ -1,6 +1,8 @@
 """The kernels, one entry point per op: `flash_attention`, `paged_attention`,
-`decode_attention` (a few new tokens over a contiguous KV cache) and `decode_matmul` (a
-decode step's weight read with its norm, RoPE, cache write, SwiGLU or residual folded in).
+`ragged_paged_attention` (a serving step's mixed prefill and decode tokens over the paged
+KV cache), `decode_attention` (a few new tokens over a contiguous KV cache) and
+`decode_matmul` (a decode step's weight read with its norm, RoPE, cache write, SwiGLU or
+residual folded in).
 
 `impl` names the implementation; "auto" takes the fastest one that runs here and takes
 the inputs. Which implementations exist and what each supports is `registry.py`: `pick`,
@@ -77,6 +79,50 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
               **kwargs)
 
 
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts, *,
+                           sm_scale: float | None = None, impl: str = "auto", layer=None,
+                           **kwargs):
+    """Attention of a flat batch of new tokens from many sequences over a paged KV cache.
+
+    q [T, Hq, D]: sequence s's new tokens are rows q_starts[s] .. q_starts[s+1]-1;
+    q_starts int32 [S+1], non-decreasing, q_starts[0] == 0, q_starts[S] <= T; rows at or
+    past q_starts[S] are padding and give zeros. kv_lens int32 [S]: the tokens of sequence s
+    in the cache, its new ones included (they are the last q_len = q_starts[s+1]-q_starts[s]
+    of them and are already written), so new token i of s sits at position
+    kv_lens[s] - q_len + i and sees keys 0 .. that position (causal within the sequence).
+    A sequence with q_len 0 contributes nothing (padding sequences: q_len 0, kv_len 0).
+    k_pages/v_pages [Hkv, P, page, D], or [L, Hkv, P, page, D] with `layer` (int or traced
+    int32 scalar; read in place, no slicing copy). block_tables int32 [S, W]; token t of s is
+    in page block_tables[s, t // page] at offset t % page. Hq % Hkv == 0. -> [T, Hq, D] in
+    q's dtype. Extra keyword arguments (block sizes) go to the chosen implementation.
+    """
+    if q.ndim != 3 or k_pages.ndim not in (4, 5) or k_pages.shape != v_pages.shape:
+        raise ValueError(f"ragged_paged_attention wants q [T, Hq, D] and k/v pages "
+                         f"[Hkv, P, page, D] (or [L, Hkv, P, page, D] with layer=); got "
+                         f"q{q.shape} k{k_pages.shape} v{v_pages.shape}")
+    if (k_pages.ndim == 5) != (layer is not None):
+        raise ValueError(f"layer={layer!r} goes with k/v pages of rank 5 [L, Hkv, P, page, D], "
+                         f"and only with them; got pages{k_pages.shape}")
+    hkv = k_pages.shape[-4]
+    if q.shape[-1] != k_pages.shape[-1] or q.shape[1] % hkv:
+        raise ValueError(f"q{q.shape} does not fit pages{k_pages.shape}: head_dim must match "
+                         f"and Hq must be a multiple of Hkv")
+    if block_tables.ndim != 2 or kv_lens.shape != (block_tables.shape[0],):
+        raise ValueError(f"block_tables must be [S, W] and kv_lens [S]; got "
+                         f"{block_tables.shape} and {kv_lens.shape}")
+    if q_starts.shape != (block_tables.shape[0] + 1,):
+        raise ValueError(f"q_starts must be [S + 1] = [{block_tables.shape[0] + 1}] for "
+                         f"block_tables {block_tables.shape}; got {q_starts.shape}")
+    for name, x in (("block_tables", block_tables), ("kv_lens", kv_lens),
+                    ("q_starts", q_starts)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integers (int32); got {x.dtype}")
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    fn = pick("ragged", impl, q, k_pages).fn
+    return fn(q, k_pages, v_pages, block_tables, kv_lens, q_starts, sm_scale=sm_scale,
+              layer=layer, **kwargs)
+
+
 def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
                      impl: str = "auto", counters=None, **kwargs):
     """New tokens over a contiguous KV cache: decoding (S = 1) and speculative verification.
@@ -148,5 +194,5 @@ def decode_matmul(x, w, *, norm_scale=None, eps: float | None = None, residual=N
               k_cache=k_cache, v_cache=v_cache, zeros=zeros, **kwargs)
 
 
-__all__ = ["flash_attention", "paged_attention", "decode_attention", "decode_matmul", "pick",
-           "names", "available"]
+__all__ = ["flash_attention", "paged_attention", "ragged_paged_attention", "decode_attention",
+           "decode_matmul", "pick", "names", "available"]

@@ -84,6 +84,44 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     return o.reshape(b, hq, d).astype(q.dtype)
 
 
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts, *,
+                           sm_scale: float | None = None, layer=None):
+    """Mixed prefill/decode attention of a flat token batch over a paged KV cache.
+
+    q [T, Hq, D]: sequence s's new tokens are rows q_starts[s] .. q_starts[s+1] - 1; they
+    are the last q_len of its kv_lens[s] cached tokens, and new token i sees keys
+    0 .. kv_lens[s] - q_len + i. Rows at or past q_starts[S] give zeros. k/v pages
+    [Hkv, P, page, D] (or [L, ...] with `layer`); block_tables [S, W]. One sequence at a
+    time (a scan over S): its keys against every row, kept only for the rows it owns.
+    """
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
+    t, hq, d = q.shape
+    hkv, _, page, _ = k_pages.shape
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    n_keys = block_tables.shape[1] * page
+    qg = q.reshape(t, hkv, hq // hkv, d).astype(jnp.float32)
+    rows, keys = jnp.arange(t), jnp.arange(n_keys)
+
+    def one_sequence(out, s):
+        start, end, kv_len = q_starts[s], q_starts[s + 1], kv_lens[s]
+        k = gather_pages(k_pages, block_tables[s][None])[0].astype(jnp.float32)  # (W*page, Hkv, D)
+        v = gather_pages(v_pages, block_tables[s][None])[0].astype(jnp.float32)
+        owned = (rows >= start) & (rows < end)  # (T,)
+        pos = kv_len - (end - start) + (rows - start)  # each row's own position
+        seen = owned[:, None] & (keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_len)
+        sc = jnp.einsum("thgd,khd->hgtk", qg, k, precision=EXACT) * sm_scale
+        sc = jnp.where(seen, sc, NEG_INF)
+        p = jnp.where(seen, jnp.exp(sc - sc.max(-1, keepdims=True)), 0.0)
+        p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+        o = jnp.einsum("hgtk,khd->thgd", p, v, precision=EXACT).reshape(t, hq, d)
+        return jnp.where(owned[:, None, None], o, out), None
+
+    out, _ = jax.lax.scan(one_sequence, jnp.zeros((t, hq, d), jnp.float32),
+                          jnp.arange(kv_lens.shape[0]))
+    return out.astype(q.dtype)
+
+
 def rms_norm(x, scale, eps):
     """x / rms(x) * scale in float32, returned in x's dtype (as model.layers.RMSNorm)."""
     h = x.astype(jnp.float32)

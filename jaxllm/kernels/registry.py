@@ -5,6 +5,7 @@ Ops and their arguments (what `pick` and an entry's `check` receive as inputs):
   flash    q [B, Sq, Hq, D], k, v [B, Skv, Hkv, D]           (kernels.flash_attention)
   paged    q [B, Hq, D], k_pages [(L,) Hkv, P, page, D]        (kernels.paged_attention)
   decode   q [B, S, Hq, D], k_cache [B, Hkv, T, D]             (kernels.decode_attention)
+  ragged   q [T, Hq, D], k_pages [(L,) Hkv, P, page, D]        (kernels.ragged_paged_attention)
   matmul   x [M, K], w (out-major), epilogue                   (kernels.decode_matmul)
 
 Targets are "module:function" strings, imported on first use, so importing jaxllm never
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 OPS = {"flash": "flash attention", "paged": "paged attention", "decode": "decode attention",
-       "matmul": "decode matmul"}
+       "matmul": "decode matmul", "ragged": "ragged paged attention"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,9 @@ IMPLS = (
     Impl("decode", "xla", f"{_XLA}:decode_attention"),
     Impl("decode", "pallas_triton", f"{_PALLAS}.paged_triton:decode_attention",
          platforms=_INTERPRETED, check=f"{_PALLAS}.paged_triton:decode_unsupported_reason"),
+    Impl("ragged", "reference", f"{_REF}:ragged_paged_attention"),
+    Impl("ragged", "pallas_triton", f"{_PALLAS}.ragged_triton:ragged_paged_attention",
+         platforms=_INTERPRETED, check=f"{_PALLAS}.ragged_triton:unsupported_reason"),
     Impl("matmul", "xla", f"{_XLA}:decode_gemv"),
     Impl("matmul", "pallas_triton", f"{_PALLAS}.gemv_triton:decode_gemv",
          platforms=_INTERPRETED, check=f"{_PALLAS}.gemv_triton:unsupported_reason"),
@@ -103,6 +107,8 @@ AUTO = (
     AutoOrder("paged", None, ("reference",)),
     AutoOrder("decode", "gpu", ("pallas_triton", "xla")),
     AutoOrder("decode", None, ("xla",)),
+    AutoOrder("ragged", "gpu", ("pallas_triton", "reference")),
+    AutoOrder("ragged", None, ("reference",)),
     AutoOrder("matmul", "gpu", ("pallas_triton", "xla")),
     AutoOrder("matmul", None, ("xla",)),
 )

@@ -1,0 +1,224 @@
+"""The serving engine in process: its decode step against the roofline, continuous batching
+against static batches, prefix caching's TTFT, warm-up and compiles.
+
+    PYTHONPATH=. python benchmarks/engine.py [--config configs/llama_1b.yaml] [--requests 256]
+        [--batch 64] [--json PATH] [config overrides ...]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/engine.py --quick     # smoke test
+
+The config's model with random weights (speed does not depend on them), bf16 on a GPU.
+- decode step: --batch sequences of ragged contexts (uniform in --context), one new token
+  each, through the engine's compiled step: the wall time of a step as the engine runs it
+  (host arrays in, sampled ids out) and the device time of back-to-back steps, against the
+  roofline of its bytes (every weight but the embedding, the head, the live K/V) at the read
+  bandwidth measured in the same run (a reduction over a large array).
+- continuous vs static: --requests requests (prompt and output lengths uniform in
+  --prompt-len and --output-len, seeded, all there at the start, greedy, no EOS) through
+  `Engine.generate`, and as static batches of --batch through `generate_ids` (compile
+  excluded: each batch is compiled before it is timed; a batch runs to its longest output
+  and only each request's own output counts). Output tokens/s and median / p99 E2E.
+- prefix caching: --prefix-requests requests sharing a --prefix-len-token prefix, sent one
+  after another, with prefix caching on and off: median TTFT.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.common import add_args, print_table, write_json
+from jaxllm import build_model, load_config
+from jaxllm.inference.engine import Engine
+from jaxllm.inference.generate import generate_ids
+from jaxllm.inference.requests import SamplingParams
+from jaxllm.inference.scheduler import Request, Scheduled
+
+FULL = dict(config="configs/llama_1b.yaml", requests=256, batch=64, context="512:2048",
+            prompt_len="32:2048", output_len="16:512", prefix_len=2048, prefix_requests=16)
+QUICK = dict(config="configs/tiny.yaml", requests=8, batch=4, context="16:64",
+             prompt_len="8:64", output_len="4:16", prefix_len=64, prefix_requests=3)
+QUICK_OVERRIDES = ["model.n_layers=2", "model.max_seq_len=256"]
+
+
+def span(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(":"))
+    return lo, hi
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a reduction over a large bf16 array (the HBM read rate)."""
+    n = (1 << 31) if jax.default_backend() == "gpu" else (1 << 22)
+    x = jnp.ones((n,), jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    f(x).block_until_ready()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n / min(times)
+
+
+def step_bytes(cfg, kv_tokens: int) -> int:
+    m = cfg.model
+    weights = m.num_params(embeddings=False) + m.vocab_size * m.d_model
+    kv = 2 * m.n_layers * m.n_kv_heads * m.resolved_head_dim * kv_tokens
+    return jnp.dtype(m.dtype).itemsize * (weights + kv)
+
+
+def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: float) -> dict:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(context[0], context[1] + 1, batch)
+    a = engine.scheduler.allocator
+    scheduled = []
+    for i, n in enumerate(lengths):  # sequences holding n tokens; the last one is new
+        req = Request(f"d{i}", [0] * int(n), SamplingParams(temperature=0), i)
+        req.seq = a.allocate()
+        (slots,), _ = a.append([req.seq], [int(n)])
+        scheduled.append(Scheduled(req, int(n) - 1, 1, slots[-1:], True))
+    b = engine._batch(scheduled)
+    run = engine.runner
+    for _ in range(3):
+        run.run(b)
+    walls = []
+    for _ in range(20):
+        t = time.perf_counter()
+        run.run(b)
+        walls.append(time.perf_counter() - t)
+    fn = run._compiled[b.tokens.shape[0]]
+    dev = jax.device_put(b)
+    k, v, out = fn(run.params, run.k, run.v, dev)
+    jax.block_until_ready(out)
+    steps = 50
+    t = time.perf_counter()
+    for _ in range(steps):
+        k, v, out = fn(run.params, k, v, dev)
+    jax.block_until_ready(out)
+    device = (time.perf_counter() - t) / steps
+    run.k, run.v = k, v
+    for s in scheduled:
+        a.free(s.request.seq)
+    roof = step_bytes(cfg, int(lengths.sum())) / bw
+    wall = statistics.median(walls)
+    return {"case": f"decode step, batch {batch}, ctx {context[0]}-{context[1]}",
+            "ms": 1e3 * device, "wall ms": 1e3 * wall, "roofline ms": 1e3 * roof,
+            "x roofline": device / roof, "wall x roofline": wall / roof}
+
+
+def workload(n: int, prompt_len, output_len, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, rng.integers(prompt_len[0], prompt_len[1] + 1)).tolist()
+               for _ in range(n)]
+    outputs = rng.integers(output_len[0], output_len[1] + 1, n).tolist()
+    return prompts, outputs
+
+
+def continuous(engine: Engine, prompts, outputs) -> dict:
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
+    t0 = time.perf_counter()
+    e2e, n_out = [], 0
+    before = engine.stats()
+    for out in engine.generate(prompts, params):
+        if out.finished:
+            e2e.append(out.finish_time - t0)
+            n_out += out.completion_tokens
+    total = time.perf_counter() - t0
+    after = engine.stats()
+    return {"case": "continuous batching (engine)", "requests": len(prompts),
+            "output tok/s": n_out / total, "median E2E s": statistics.median(e2e),
+            "p99 E2E s": float(np.percentile(e2e, 99)), "total s": total,
+            "preemptions": after["preemptions"] - before["preemptions"],
+            "compiles": after["compiles_since_start"] - before["compiles_since_start"]}
+
+
+def static(params, prompts, outputs, batch: int) -> dict:
+    clock, e2e, n_out = 0.0, [], 0
+    for i in range(0, len(prompts), batch):
+        ps, os_ = prompts[i:i + batch], outputs[i:i + batch]
+        opts = dict(max_new_tokens=max(os_), temperature=0.0, eos_id=None)
+        _, t = generate_ids(params, ps, warmup=True, **opts)  # compiled, then timed
+        clock += t["generated_tokens"] / t["tokens_per_s"]
+        e2e += [clock] * len(ps)
+        n_out += sum(os_)
+    return {"case": f"static batches of {batch} (generate_ids)", "requests": len(prompts),
+            "output tok/s": n_out / clock, "median E2E s": statistics.median(e2e),
+            "p99 E2E s": float(np.percentile(e2e, 99)), "total s": clock}
+
+
+def prefix_ttft(model, cfg, params, prefix_len: int, n: int, caching: bool,
+                **engine_kw) -> dict:
+    engine = Engine(model, cfg, params=params, prefix_caching=caching, **engine_kw)
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, min(cfg.model.vocab_size, 32000), prefix_len).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ttft = []
+    for i in range(n + 1):  # the first fills the cache and is not counted
+        prompt = prefix + rng.integers(0, min(cfg.model.vocab_size, 1000), 32).tolist()
+        outs = list(engine.generate([prompt], sp))
+        if i:
+            ttft.append(outs[0].first_token_time - outs[0].arrival_time)
+    return {"case": f"prefix caching {'on' if caching else 'off'}, {prefix_len}-token prefix",
+            "requests": n, "median TTFT ms": 1e3 * statistics.median(ttft),
+            "cached tokens": engine.stats()["prefix_hits"]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config")
+    ap.add_argument("--requests", type=int)
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--context", help="decode-step contexts lo:hi")
+    ap.add_argument("--prompt-len")
+    ap.add_argument("--output-len")
+    ap.add_argument("--prefix-len", type=int)
+    ap.add_argument("--prefix-requests", type=int)
+    ap.add_argument("--quick", action="store_true", help="a tiny CPU-sized run (smoke test)")
+    ap.add_argument("overrides", nargs="*")
+    add_args(ap, rounds=None)
+    args = ap.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    overrides = (QUICK_OVERRIDES if args.quick else []) + args.overrides
+    cfg = load_config(args.config, overrides)
+    model = build_model(cfg.model, rngs=nnx.Rngs(0))
+    from jaxllm.inference.params import decode_params
+    params = decode_params(model, cfg)
+    engine_kw = dict(max_num_seqs=args.batch)
+    if args.quick:
+        engine_kw.update(num_pages=256, page_size=8, max_num_batched_tokens=64)
+
+    t0 = time.perf_counter()
+    engine = Engine(model, cfg, params=params, **engine_kw)
+    rows = [{"case": "engine start-up (compile every bucket)", "total s": time.perf_counter() - t0,
+             "buckets": len(engine.runner.buckets), "pages": engine.num_pages}]
+    print(rows[-1], flush=True)
+    bw = read_bandwidth()
+    rows.append(decode_step(engine, cfg, args.batch, span(args.context), bw))
+    print(rows[-1], flush=True)
+    prompts, outputs = workload(args.requests, span(args.prompt_len), span(args.output_len),
+                                min(cfg.model.vocab_size, 32000))
+    rows.append(continuous(engine, prompts, outputs))
+    print(rows[-1], flush=True)
+    rows.append(static(params, prompts, outputs, args.batch))
+    print(rows[-1], flush=True)
+    rows[-2]["x static"] = rows[-2]["output tok/s"] / rows[-1]["output tok/s"]
+    del engine
+    for caching in (True, False):
+        rows.append(prefix_ttft(model, cfg, params, args.prefix_len, args.prefix_requests,
+                                caching, **engine_kw))
+        print(rows[-1], flush=True)
+    rows[-2]["x off"] = rows[-1]["median TTFT ms"] / rows[-2]["median TTFT ms"]
+    print(f"read bandwidth {bw / 1e12:.2f} TB/s")
+    print_table(rows, title="serving engine (in process)")
+    write_json(args.json, rows, read_bandwidth=bw)
+
+
+if __name__ == "__main__":
+    main()

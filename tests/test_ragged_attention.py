@@ -1,0 +1,188 @@
+"""Ragged paged attention (a flat batch of prefill and decode tokens over the paged cache):
+the jnp reference against a naive per-sequence computation, and the pallas_triton kernel
+(interpret mode on the CPU) against the reference."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.kernels import ragged_paged_attention, reference
+from jaxllm.kernels.pallas import ragged_triton
+
+
+def _case(seed, seqs, *, page, hq, hkv, d=32, pad_rows=0, pad_seqs=0, dtype=jnp.float32):
+    """seqs: (cached tokens before the new ones, new tokens) per sequence, then `pad_seqs`
+    padding sequences (q_len 0, kv_len 0) and `pad_rows` padding rows.
+
+    Each sequence's pages are a random subset of the pool; pool slots no sequence may
+    read (pages of no table, slots past a sequence's kv_len) are NaN, and table entries
+    past a sequence's pages name NaN pages, so any read of them shows in the output.
+    Returns (args of ragged_paged_attention, the same args on the NaN-free pool)."""
+    rng = np.random.default_rng(seed)
+    seqs = list(seqs) + [(0, 0)] * pad_seqs
+    kv_lens = np.array([c + n for c, n in seqs], np.int32)
+    q_lens = np.array([n for _, n in seqs], np.int32)
+    need = -(-kv_lens // page)
+    width = int(need.max()) + 1
+    spare = 3  # pages of no table
+    num_pages = int(need.sum()) + spare
+    perm = rng.permutation(num_pages)
+    tables = rng.choice(perm[:spare], (len(seqs), width)).astype(np.int32)
+    live = np.zeros((num_pages, page), bool)
+    at = spare
+    for s, n in enumerate(need):
+        tables[s, :n] = perm[at:at + n]
+        at += n
+        for t in range(kv_lens[s]):
+            live[tables[s, t // page], t % page] = True
+    k = rng.standard_normal((hkv, num_pages, page, d)).astype(np.float32)
+    v = rng.standard_normal((hkv, num_pages, page, d)).astype(np.float32)
+    k[:, ~live], v[:, ~live] = np.nan, np.nan
+    q_starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(q_starts[-1]) + pad_rows, hq, d)).astype(np.float32)
+    args = [jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(tables), jnp.asarray(kv_lens), jnp.asarray(q_starts)]
+    clean = list(args)
+    clean[1], clean[2] = jnp.nan_to_num(args[1]), jnp.nan_to_num(args[2])
+    return args, clean
+
+
+def _naive(q, k_pages, v_pages, tables, kv_lens, q_starts, scale):
+    """Per sequence: gather its keys, softmax of each new token over keys 0 .. its position."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    hkv, _, page, _ = k_pages.shape
+    group = q.shape[1] // hkv
+    out = np.zeros_like(q)
+    for s in range(len(kv_lens)):
+        start, end, n = int(q_starts[s]), int(q_starts[s + 1]), int(kv_lens[s])
+        idx = np.arange(n)
+        k = k_pages[:, tables[s, idx // page], idx % page]  # [Hkv, n, D]
+        v = v_pages[:, tables[s, idx // page], idx % page]
+        for i, row in enumerate(range(start, end)):
+            pos = n - (end - start) + i
+            for h in range(q.shape[1]):
+                sc = k[h // group, :pos + 1] @ q[row, h] * scale
+                p = np.exp(sc - sc.max())
+                out[row, h] = (p / p.sum()) @ v[h // group, :pos + 1]
+    return out
+
+
+def test_reference_matches_naive_per_sequence_attention():
+    seqs = [(0, 3), (5, 1), (9, 6), (0, 1), (4, 4)]
+    _, clean = _case(0, seqs, page=4, hq=4, hkv=2, pad_rows=2, pad_seqs=1)
+    out = ragged_paged_attention(*clean, sm_scale=0.3, impl="reference")
+    want = _naive(*clean, 0.3)
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out[-2:], 0.0)  # padding rows
+
+
+P = 4  # page size of the cases below
+CASES = {
+    # cached context before the new tokens: 0, 1, page-1, page, page+1, long; q_len 1 and many
+    "mix_gqa4_f32": dict(seqs=[(0, 1), (1, 9), (P - 1, 1), (P, 5), (P + 1, 1), (37, 14)],
+                         page=P, hq=8, hkv=2, pad_rows=5, pad_seqs=2),
+    "decode_only_mha": dict(seqs=[(c, 1) for c in (0, 1, 3, 4, 5, 22, 9, 40)], page=P,
+                            hq=2, hkv=2, d=64),
+    "chunk_over_prefix_gqa8_bf16": dict(seqs=[(45, 30), (6, 1), (17, 1), (0, 1)], page=8,
+                                        hq=8, hkv=1, pad_rows=3, dtype=jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference_reading_nothing_else(name):
+    """NaN everywhere the kernel must not read: the output is finite and equals the
+    reference on the clean pool; padding rows are zeros."""
+    case = CASES[name]
+    args, clean = _case(len(name), **case)
+    out = ragged_paged_attention(*args, impl="pallas_triton")
+    want = ragged_paged_attention(*clean, impl="reference")
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    tol = 2e-2 if case.get("dtype") == jnp.bfloat16 else 2e-5
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)
+    n_real = int(args[5][-1])
+    np.testing.assert_array_equal(np.asarray(out[n_real:], np.float32), 0.0)
+
+
+def test_small_blocks_several_per_sequence_and_garbage_table_entries():
+    """Blocks of 3 tokens (a chunk spans several, the last one partial), keys 8 a step,
+    table entries past a sequence's pages out of range; new values do not recompile."""
+    args, clean = _case(3, [(13, 11), (0, 2), (7, 1), (2, 8)], page=4, hq=4, hkv=2,
+                        pad_rows=4, pad_seqs=1)
+    tables, kv_lens = np.asarray(args[3]), np.asarray(args[4])
+    past = np.arange(tables.shape[1])[None, :] >= -(-kv_lens // 4)[:, None]
+    args[3] = jnp.asarray(np.where(past, 10**6, tables), jnp.int32)
+    kernel = functools.partial(ragged_triton.ragged_paged_attention, sm_scale=0.2,
+                               small_q=2, block_q=3, block_k=8)
+    np.testing.assert_allclose(kernel(*args), reference.ragged_paged_attention(
+        *clean, sm_scale=0.2), atol=2e-5, rtol=2e-5)
+    # other values, same shapes: fewer new tokens a sequence, no recompilation
+    compiled = ragged_triton.ragged_paged_attention._cache_size()
+    args[5] = clean[5] = jnp.asarray([0, 5, 7, 8, 12, 12], jnp.int32)
+    np.testing.assert_allclose(kernel(*args), reference.ragged_paged_attention(
+        *clean, sm_scale=0.2), atol=2e-5, rtol=2e-5)
+    assert ragged_triton.ragged_paged_attention._cache_size() == compiled
+
+
+def test_layer_stack_is_read_in_place_at_the_named_layer():
+    _, (q, k, v, tables, kv_lens, q_starts) = _case(
+        4, [(5, 1), (0, 7), (9, 3)], page=8, hq=8, hkv=2, pad_rows=1)
+    k_stack, v_stack = jnp.stack([k, -k, 0.5 * k]), jnp.stack([v, v + 1, -v])
+    want = reference.ragged_paged_attention(q, 0.5 * k, -v, tables, kv_lens, q_starts)
+    step = jax.jit(lambda layer: ragged_paged_attention(
+        q, k_stack, v_stack, tables, kv_lens, q_starts, layer=layer, impl="pallas_triton"))
+    np.testing.assert_allclose(step(jnp.int32(2)), want, atol=2e-5, rtol=2e-5)
+    ref = ragged_paged_attention(q, k_stack, v_stack, tables, kv_lens, q_starts, layer=2,
+                                 impl="reference")
+    np.testing.assert_allclose(ref, want, atol=1e-6)
+
+
+def test_bad_inputs_raise():
+    _, (q, k, v, tables, kv_lens, q_starts) = _case(5, [(3, 2), (0, 1)], page=4, hq=4,
+                                                    hkv=2)
+    with pytest.raises(ValueError, match=r"q_starts must be \[S \+ 1\] = \[3\]"):
+        ragged_paged_attention(q, k, v, tables, kv_lens, q_starts[:-1])
+    with pytest.raises(ValueError, match="kv_lens"):
+        ragged_paged_attention(q, k, v, tables, kv_lens[:1], q_starts)
+    with pytest.raises(ValueError, match="wants q"):
+        ragged_paged_attention(q[None], k, v, tables, kv_lens, q_starts)
+    with pytest.raises(ValueError, match="Hq must be a multiple of Hkv"):
+        ragged_paged_attention(q[:, :3], k, v, tables, kv_lens, q_starts)
+    with pytest.raises(ValueError, match="pass layer=|only with them"):
+        ragged_paged_attention(q, k[None], v[None], tables, kv_lens, q_starts)
+    with pytest.raises(ValueError, match="must be integers"):
+        ragged_paged_attention(q, k, v, tables, kv_lens.astype(jnp.float32), q_starts)
+    odd = jnp.zeros((2, 3, 6, 32))
+    with pytest.raises(ValueError, match="page_size=6 is not a power of two"):
+        ragged_paged_attention(q, odd, odd, tables, kv_lens, q_starts, impl="pallas_triton")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel needs a GPU")
+def test_gpu_bf16_mixed_step_matches_reference():
+    seqs = [(1500, 500)] + [(c, 1) for c in (0, 15, 16, 17, 1023, 2047, 700, 64)] + [(30, 4)]
+    args, clean = _case(6, seqs, page=16, hq=32, hkv=8, d=128, pad_rows=7, pad_seqs=3,
+                        dtype=jnp.bfloat16)
+    out = ragged_paged_attention(*args, impl="pallas_triton")
+    want = ragged_paged_attention(*clean, impl="reference")
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_lowers_for_the_gpu():
+    """The Triton lowering (to Triton IR, then StableHLO) on any machine: the interpreter
+    above never sees the Triton lowering rules. Both launches, a layer stack with a traced
+    layer, float32 and bf16."""
+    def lower(dtype, q, pages, *, layer=False):
+        def fn(q, k, v, tables, kv_lens, q_starts, *layer):
+            return ragged_triton.ragged_paged_attention(
+                q, k, v, tables, kv_lens, q_starts, layer=layer[0] if layer else None,
+                sm_scale=0.1, interpret=False)
+        shapes = [(q, dtype), (pages, dtype), (pages, dtype), ((5, 8), jnp.int32),
+                  ((5,), jnp.int32), ((6,), jnp.int32)] + [((), jnp.int32)] * layer
+        args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    lower(jnp.bfloat16, (64, 32, 128), (8, 32, 16, 128))
+    lower(jnp.float32, (48, 16, 64), (3, 2, 32, 16, 64), layer=True)
