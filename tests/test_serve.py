@@ -398,3 +398,10 @@ def test_cli_refuses_a_missing_run(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
     assert serve_cli.main(["--hf", str(tmp_path), "--port", "70000"]) == 2
+    with socket.socket() as busy:  # a port in use: refused before anything loads
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        capsys.readouterr()
+        assert serve_cli.main(["--hf", str(tmp_path), "--port", str(port)]) == 2
+        assert "cannot listen" in capsys.readouterr().err

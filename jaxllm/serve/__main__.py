@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
-from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,10 +25,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1",
                     help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--served-model-name", default=None,
-                    help="the model's name in the API (default: the directory's name)")
+    ap.add_argument("--served-model-name", default="jaxllm",
+                    help="the model's name in the API: requests naming another model get a "
+                         "404 (default: jaxllm)")
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return ap
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) (port 0: a free one); ValueError if that fails."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another "
+                         f"--port or --host") from e
+    return sock
 
 
 def main(argv=None) -> int:
@@ -45,6 +59,7 @@ def main(argv=None) -> int:
             raise ValueError("--step applies to --run only (an HF directory has one set of "
                              "weights)")
         import fastapi, prometheus_client, uvicorn  # noqa: E401,F401  (the serve extra)
+        sock = listen(args.host, args.port)  # a busy port is refused before the model loads
         source = args.hf or args.run
         if args.hf:
             from jaxllm import hf
@@ -69,7 +84,7 @@ def main(argv=None) -> int:
     from jaxllm.inference.engine import AsyncEngine, Engine
     from jaxllm.serve.app import create_app
 
-    name = args.served_model_name or Path(source).resolve().name
+    name = args.served_model_name
     print(f"[model from {source}, step {step}; building the engine]", file=sys.stderr)
     try:
         engine = Engine(model, cfg, tokenizer=tok)
@@ -80,17 +95,16 @@ def main(argv=None) -> int:
     aeng.start()
     try:
         app = create_app(aeng, tok, name, cfg)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)  # its SIGINT / SIGTERM handlers end run()
         # uvicorn re-sends the signal once it has shut down, to the handlers it found: these
         # take it, so the engine thread is stopped below rather than the process killed
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
         host = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"[serving {name!r} at http://{host}:{args.port}/v1 "
+        print(f"[serving {name!r} at http://{host}:{sock.getsockname()[1]}/v1 "
               f"(max_model_len {engine.max_model_len}); Ctrl-C stops]", file=sys.stderr)
-        server.run()
+        server.run(sockets=[sock])
     finally:
         aeng.stop()
     print("[engine stopped]", file=sys.stderr)
