@@ -8,7 +8,6 @@ import socket
 import threading
 import time
 
-import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -153,6 +152,12 @@ def test_completion_greedy_matches_the_model(served, tokenizer, params):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
         (len(ids), 12, len(ids) + 12)
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+    # a seeded sampled request is reproducible (whatever else runs beside it)
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    assert served.client.completions.create(**kw).choices[0].text == \
+        served.client.completions.create(**kw).choices[0].text
 
     # a stop string cuts the text before it
     stop = want[5:7]

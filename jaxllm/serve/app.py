@@ -227,10 +227,9 @@ class _Server:
             async def pump(i, s):
                 try:
                     async for out in s:
-                        await queue.put((i, out))
-                except BaseException as e:  # handed to the reader
-                    await queue.put((i, e))
-                    raise
+                        queue.put_nowait((i, out))
+                except Exception as e:  # handed to the reader, who raises it
+                    queue.put_nowait((i, e))
 
             tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
             try:
