@@ -46,6 +46,7 @@ def template_of(tokenizer) -> str:
 @functools.lru_cache(maxsize=8)
 def _compile(template: str):
     import jinja2
+    import jinja2.ext  # loopcontrols; `import jinja2` alone does not load the module
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):

@@ -81,7 +81,6 @@ class _Server:
         self.model_name, self.cfg = model_name, cfg
         self.metrics = Metrics(self.engine)
         self.created = now()
-        import jinja2.ext  # noqa: F401  (chat templates use its loopcontrols; load it here)
         try:
             from jaxllm import chat
             self.chat_template, self.no_template = chat.template_of(tokenizer), None
