@@ -102,6 +102,7 @@ class Engine:
         self.warm_up_s = time.perf_counter() - t0
         self._compiles_at_start = compile_count()
         self._live: dict[str, _Live] = {}
+        self._inflight = None  # (scheduled, sampled tokens on the device) of the last step
         self._numbers = itertools.count()
         self.totals = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0, steps=0)
 
@@ -159,21 +160,47 @@ class Engine:
         return self._output(live, finished=True, reason="abort", now=time.perf_counter())
 
     def has_unfinished(self) -> bool:
-        return bool(self._live)
+        return bool(self._live) or self._inflight is not None
 
     # ---- steps ----
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; the outputs of the requests that got a token."""
+        """Run one step; the outputs of the requests that got a token.
+
+        Steps overlap with the host: the next step is scheduled and dispatched before this
+        one's tokens are read (a decode row takes its input token from the device), so the
+        host's scheduling and output work runs while the device computes. A request that
+        stops at a step has one more (discarded) row in the step already dispatched."""
+        if self._inflight is None:
+            self._inflight = self._dispatch()
+            if self._inflight is None:
+                return []
+        nxt = self._dispatch()
+        outputs = self._collect(*self._inflight)
+        self._inflight = nxt
+        return outputs
+
+    def _dispatch(self):
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
+            return None
         tokens = self.runner.run(self._batch(scheduled))
-        self.scheduler.step_done(scheduled)
+        self.scheduler.dispatched(scheduled)
         self.totals["steps"] += 1
+        return scheduled, tokens
+
+    def _collect(self, scheduled: list[Scheduled], tokens) -> list[RequestOutput]:
+        tokens = np.asarray(tokens)  # waits for the step
         now, outputs = time.perf_counter(), []
-        for s, token in zip(scheduled, tokens):
-            if s.sample:
-                outputs.append(self._append(self._live[s.request.request_id], int(token), now))
+        for i, s in enumerate(scheduled):
+            if not s.sample:
+                continue
+            req = s.request
+            req.pending -= 1
+            live = self._live.get(req.request_id)
+            if live is None or live.request is not req:  # aborted meanwhile
+                continue
+            outputs.append(self._append(live, int(tokens[i]), now))
+        self.scheduler.register(s.request for s in scheduled)
         return outputs
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
@@ -236,7 +263,10 @@ class Engine:
         t = 0
         for i, s in enumerate(scheduled):
             r, p = s.request, s.request.params
-            b.tokens[t:t + s.n] = r.tokens[s.start:s.start + s.n]
+            known = r.tokens[s.start:s.start + s.n]
+            b.tokens[t:t + len(known)] = known
+            if len(known) < s.n:  # the pending token, sampled by the step before
+                b.from_previous[t + s.n - 1] = r.sample_slot
             b.positions[t:t + s.n] = np.arange(s.start, s.start + s.n)
             b.slots[t:t + s.n] = s.slots
             t += s.n
@@ -246,8 +276,8 @@ class Engine:
             if s.sample:
                 b.temperature[i], b.top_k[i], b.top_p[i] = p.temperature, p.top_k, p.top_p
                 b.seed[i] = self._seed(r)
-                b.draw[i] = len(r.output)
-                if len(r.output) < p.min_tokens:
+                b.draw[i] = len(r.output) + r.pending
+                if len(r.output) + r.pending < p.min_tokens:
                     banned = self._banned(p)
                     b.banned[i, :len(banned)] = banned
         b.q_starts[len(scheduled) + 1:] = t

@@ -39,14 +39,18 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class StepBatch:
-    """One step's inputs on the host (numpy), padded to a bucket: tokens, positions and
-    slots [T]; block_tables [N, W], kv_lens [N], q_starts [N + 1]; per sequence: sample_at
-    (the row whose logits it samples from), temperature, top_k, top_p, seed (uint32 [N, 2]),
-    draw (the number of the token drawn, so a seeded request draws the same whatever it is
-    batched with) and banned ids [N, MAX_BANNED] (vocab size: none)."""
+    """One step's inputs on the host (numpy), padded to a bucket: tokens, positions, slots
+    and from_previous [T] (a row >= 0 takes its token from that sequence slot of the
+    previous step's samples, not yet on the host: a decode row scheduled before the step
+    that samples its input has been read); block_tables [N, W], kv_lens [N], q_starts
+    [N + 1]; per sequence: sample_at (the row whose logits it samples from), temperature,
+    top_k, top_p, seed (uint32 [N, 2]), draw (the number of the token drawn, so a seeded
+    request draws the same whatever it is batched with) and banned ids [N, MAX_BANNED]
+    (vocab size: none). It travels to the device as one int32 buffer (`pack`)."""
     tokens: np.ndarray
     positions: np.ndarray
     slots: np.ndarray
+    from_previous: np.ndarray
     block_tables: np.ndarray
     kv_lens: np.ndarray
     q_starts: np.ndarray
@@ -58,21 +62,40 @@ class StepBatch:
     draw: np.ndarray
     banned: np.ndarray
 
+    def pack(self) -> np.ndarray:
+        return np.concatenate([np.ascontiguousarray(getattr(self, f.name)).view(np.int32)
+                               .reshape(-1) for f in dataclasses.fields(self)])
 
-def _step(params: DecodeParams, k_pool, v_pool, b: StepBatch):
+    def layout(self) -> tuple:
+        """(name, shape, dtype) of each field: how `unpack` cuts the buffer."""
+        return tuple((f.name, getattr(self, f.name).shape, getattr(self, f.name).dtype.str)
+                     for f in dataclasses.fields(self))
+
+
+def unpack(buf, layout) -> StepBatch:
+    """The device-side StepBatch of a packed buffer (static slices, bitcasts)."""
+    fields, at = {}, 0
+    for name, shape, dtype in layout:
+        n = int(np.prod(shape))
+        x = buf[at:at + n]
+        if np.dtype(dtype) != np.int32:
+            x = jax.lax.bitcast_convert_type(x, np.dtype(dtype))
+        fields[name], at = x.reshape(shape), at + n
+    return StepBatch(**fields)
+
+
+def _step(params: DecodeParams, k_pool, v_pool, previous, buf, layout):
+    b = unpack(buf, layout)
+    tokens = jnp.where(b.from_previous >= 0, previous[jnp.maximum(b.from_previous, 0)],
+                       b.tokens)
     cache = RaggedPagedCache(k_pool, v_pool, b.slots, b.block_tables, b.kv_lens, b.q_starts)
-    h, cache = hidden_states(params, b.tokens[None], b.positions[None], cache)
+    h, cache = hidden_states(params, tokens[None], b.positions[None], cache)
     out = logits(params, h[:, b.sample_at])[0]  # (N, V) float32
     rows = jnp.arange(out.shape[0])[:, None]
     out = out.at[rows, b.banned].set(-jnp.inf, mode="drop")
     keys = jax.vmap(lambda s, i: jax.random.fold_in(
         jax.random.fold_in(jax.random.key(s[0]), s[1]), i))(b.seed, b.draw)
     return cache.k, cache.v, sample_rows(out, keys, b.temperature, b.top_k, b.top_p)
-
-
-jax.tree_util.register_dataclass(StepBatch, data_fields=[f.name for f in
-                                                         dataclasses.fields(StepBatch)],
-                                 meta_fields=[])
 
 
 class ModelRunner:
@@ -88,7 +111,8 @@ class ModelRunner:
         shape = (params.n_layers, c.n_kv_heads, num_pages, page_size, c.resolved_head_dim)
         self.k = jnp.zeros(shape, as_dtype(c.dtype))
         self.v = jnp.zeros(shape, as_dtype(c.dtype))
-        self._jit = jax.jit(_step, donate_argnums=(1, 2))
+        self.last = jnp.zeros(max_num_seqs, jnp.int32)  # the latest step's samples
+        self._jit = jax.jit(_step, donate_argnums=(1, 2), static_argnums=(5,))
         self._compiled: dict[int, object] = {}
 
     @property
@@ -107,6 +131,7 @@ class ModelRunner:
         return StepBatch(
             tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
             slots=np.full(t, self.num_pages * self.page_size, np.int32),
+            from_previous=np.full(t, -1, np.int32),
             block_tables=np.full((n, w), self.num_pages, np.int32),
             kv_lens=np.zeros(n, np.int32), q_starts=np.zeros(n + 1, np.int32),
             sample_at=np.zeros(n, np.int32), temperature=np.zeros(n, np.float32),
@@ -114,24 +139,29 @@ class ModelRunner:
             seed=np.zeros((n, 2), np.uint32), draw=np.zeros(n, np.int32),
             banned=np.full((n, MAX_BANNED), self.params.cfg.vocab_size, np.int32))
 
+    def _compile(self, batch: StepBatch):
+        buf = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32)
+        return self._jit.lower(self.params, self.k, self.v, self.last, buf,
+                               batch.layout()).compile()
+
     def warm_up(self, threads: int = 4) -> None:
         """Compile the step for every token bucket (several at once), then run each once."""
         def compile_one(t):
-            args = (self.params, self.k, self.v, self.empty_batch(t))
-            return t, self._jit.lower(*args).compile()
+            return t, self._compile(self.empty_batch(t))
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
             self._compiled.update(pool.map(compile_one, self.buckets))
         for t in self.buckets:  # first runs (allocations, autotuning) before timing starts
             self.run(self.empty_batch(t))
-        jax.block_until_ready(self.k)
+        jax.block_until_ready(self.last)
 
-    def run(self, batch: StepBatch) -> np.ndarray:
-        """Run one step; returns the sampled token of every sequence (int32 [N])."""
+    def run(self, batch: StepBatch) -> jax.Array:
+        """Dispatch one step (it runs after the steps before it); returns the sampled token
+        of every sequence slot, int32 [N] on the device, also kept as `last`."""
         t = batch.tokens.shape[0]
         fn = self._compiled.get(t)
         if fn is None:  # not warmed up (tests): compile on first use
-            fn = self._compiled[t] = self._jit.lower(self.params, self.k, self.v,
-                                                     batch).compile()
-        self.k, self.v, tokens = fn(self.params, self.k, self.v, batch)
-        return np.asarray(tokens)
+            fn = self._compiled[t] = self._compile(batch)
+        # the compiled step takes the dynamic arguments only (the layout is baked in)
+        self.k, self.v, self.last = fn(self.params, self.k, self.v, self.last, batch.pack())
+        return self.last

@@ -40,13 +40,28 @@ class Request:
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache (first admission)
     admitted: bool = False
     preemptions: int = 0
+    # tokens sampled for it by dispatched steps but not yet on the host (at most one when a
+    # step is built: the next step feeds it from the device at position len(tokens))
+    pending: int = 0
+    sample_slot: int = -1  # its sequence slot in the step that samples the pending token
 
     def __post_init__(self):
         self.tokens = list(self.prompt) + list(self.output)
 
     @property
+    def known(self) -> int:
+        """Tokens it has, the pending one included."""
+        return len(self.tokens) + self.pending
+
+    @property
     def to_compute(self) -> int:
-        return len(self.tokens) - self.computed
+        return self.known - self.computed
+
+    @property
+    def wants_more(self) -> bool:
+        """Whether another token could be needed: the pending one (if any) is not its last
+        by the length limit."""
+        return len(self.output) + self.pending < self.params.max_tokens
 
 
 @dataclasses.dataclass
@@ -98,8 +113,8 @@ class Scheduler:
         for req in order:
             if budget == 0:
                 break
-            if req not in self.running:  # preempted earlier in this pass
-                continue
+            if req not in self.running or (req.pending and not req.wants_more):
+                continue  # preempted in this pass, or its pending token is its last
             n = min(req.to_compute, budget)
             slots = self._reserve_or_preempt(req, n)
             if self.preemptions != preemptions:  # drop what the preempted had been given
@@ -114,6 +129,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
+            if req.pending:  # preempted with a token on its way: admit it once it is here
+                break
             if self.prefix_caching:
                 seq, cached = self.allocator.allocate_prefix(req.tokens)
             else:
@@ -135,19 +152,26 @@ class Scheduler:
             budget -= n
         return out
 
-    def step_done(self, scheduled: list[Scheduled]) -> None:
-        """After the step ran: its tokens are computed; key the pages they filled."""
-        for s in scheduled:
-            r = s.request
-            if r.seq is None:
-                continue
-            r.computed = s.start + s.n
-            if self.prefix_caching:
-                self.allocator.register(r.seq, r.tokens)
+    def dispatched(self, scheduled: list[Scheduled]) -> None:
+        """The step is on its way: its tokens count as computed (the device runs steps in
+        order), and each sampling request has a token pending."""
+        for i, s in enumerate(scheduled):
+            s.request.computed = s.start + s.n
+            if s.sample:
+                s.request.pending += 1
+                s.request.sample_slot = i
+
+    def register(self, requests) -> None:
+        """Key the pages the requests' known tokens have filled (prefix caching)."""
+        if self.prefix_caching:
+            for r in requests:
+                if r.seq is not None:
+                    self.allocator.register(r.seq, r.tokens)
 
     # ---- internals ----
     def _scheduled(self, req: Request, n: int, slots) -> Scheduled:
-        return Scheduled(req, req.computed, n, slots, req.computed + n == len(req.tokens))
+        return Scheduled(req, req.computed, n, slots,
+                         req.computed + n == req.known and req.wants_more)
 
     def _reserve_or_preempt(self, req: Request, n: int):
         while True:
