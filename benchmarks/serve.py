@@ -158,7 +158,7 @@ async def send(session, url: str, req: Req, timeout: float) -> RequestTiming:
     import aiohttp
 
     body = {"model": "jaxllm", "prompt": req.prompt, "max_tokens": req.output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
     t = RequestTiming(start=time.perf_counter(), prompt_tokens=len(req.prompt))
     chunks, usage, done = 0, None, False

@@ -194,6 +194,13 @@ def test_streamed_completion_joins_to_the_reply(served):
     assert usage.usage.prompt_tokens == whole.usage.prompt_tokens
     assert len({c.id for c in chunks}) == 1
 
+    # return_token_ids: every step's tokens arrive, joining to the reply's ids
+    kw_ids = dict(kw, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = served.client.completions.create(**kw_ids).choices[0].token_ids
+    streamed = [t for c in served.client.completions.create(**kw_ids, stream=True)
+                for t in c.choices[0].token_ids]
+    assert len(ids) == 20 and streamed == ids
+
     # two prompts in one stream: each choice's chunks join to its own reply
     kw["prompt"] = [PROMPT, "answer briefly"]
     whole = served.client.completions.create(**kw)

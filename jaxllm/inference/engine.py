@@ -329,6 +329,11 @@ class Engine:
             finish_time=now if finished else None)
 
 
+def _deliver(items) -> None:  # on the event loop
+    for stream, out in items:
+        stream._queue.put_nowait(out)
+
+
 class RequestStream:
     """One request's outputs for an asyncio caller: `async for out in stream`. Leaving the
     loop early, `aclose()`, cancellation or `await stream.abort()` aborts the request."""
@@ -451,12 +456,15 @@ class AsyncEngine:
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue
+                batches = {}  # one wake-up of each event loop a step, not one per output
                 for out in self.engine.step():
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         if out.finished:
                             self._streams.pop(out.request_id, None)
-                        stream._put(out)
+                        batches.setdefault(stream._loop, []).append((stream, out))
+                for loop, items in batches.items():
+                    loop.call_soon_threadsafe(_deliver, items)
         except BaseException as e:  # the engine died: every open stream hears of it
             self.error = e
             for stream in self._streams.values():

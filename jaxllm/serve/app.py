@@ -116,7 +116,9 @@ class _Server:
         return {"id": rid, "object": "text_completion", "created": now(),
                 "model": self.model_name,
                 "choices": [{"index": i, "text": o.text, "logprobs": None,
-                             "finish_reason": o.finish_reason} for i, o in enumerate(outs)],
+                             "finish_reason": o.finish_reason,
+                             **({"token_ids": o.token_ids} if body.return_token_ids else {})}
+                            for i, o in enumerate(outs)],
                 "usage": _usage(outs)}
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -304,9 +306,13 @@ class _Server:
             async for i, out in merged:
                 if out.finished:
                     finals[i] = out
-                if out.new_text or out.finished:
-                    yield chunk([{"index": i, "text": out.new_text, "logprobs": None,
-                                  "finish_reason": out.finish_reason if out.finished else None}])
+                ids = body.return_token_ids and out.new_token_ids
+                if out.new_text or out.finished or ids:
+                    choice = {"index": i, "text": out.new_text, "logprobs": None,
+                              "finish_reason": out.finish_reason if out.finished else None}
+                    if body.return_token_ids:
+                        choice["token_ids"] = out.new_token_ids
+                    yield chunk([choice])
         except Exception as e:
             yield self._engine_error(e).body()
             return

@@ -1,7 +1,9 @@
 """The OpenAI request bodies the server accepts, and the errors it answers with.
 
 Requests are pydantic models with OpenAI's field names; the vLLM extensions `top_k`,
-`min_tokens`, `stop_token_ids` and `ignore_eos` are accepted too. Fields of the OpenAI API
+`min_tokens`, `stop_token_ids`, `ignore_eos` and `return_token_ids` (each choice, and each
+streamed delta, also carries its generated token ids; a streamed step that adds tokens but
+no text is then sent too) are accepted too. Fields of the OpenAI API
 that the engine cannot honour are refused with a 400 naming them (never silently ignored);
 fields that change nothing here (`user`, `metadata`, ...) are accepted and ignored.
 """
@@ -49,6 +51,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False
     min_tokens: StrictInt = 0
     n: StrictInt = 1
     stream: bool = False
