@@ -50,8 +50,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 _LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
 _NEG = -1e30  # finite "minus infinity" for masked scores and empty running maxima
 _MIN_ROWS = 16  # tl.dot wants at least 16 rows
+_SPLIT_MAX_TOKENS = 256  # steps of more tokens fill the GPU with blocks: one split
+_SPLIT_CAP = 16  # most splits per block
 
 
 def _pow2(n: int) -> int:
@@ -72,24 +75,33 @@ def _find_sequence(q_starts_ref, j, block_q: int, n_seqs: int):
 
 
 def _ragged_kernel(layer_ref, q_starts_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref,
-                   o_in_ref, o_ref, *, group: int, kv_heads: int, block_q: int, rows: int,
+                   *refs, group: int, kv_heads: int, block_q: int, rows: int,
                    page_size: int, block_k: int, n_seqs: int, n_table: int,
-                   q_len_min: int, q_len_max: int, scale_log2: float, allow_tf32: bool):
-    """q/o [T, Hq, D] (head h * G + g is head g of kv head h's group) and k/v
-    [L * Hkv, P * page, D] as whole refs; o_in is o's aliased input (never read here)."""
-    del o_in_ref
-    j, h = pl.program_id(0), pl.program_id(1)
+                   q_len_min: int, q_len_max: int, scale_log2: float, allow_tf32: bool,
+                   kv_splits: int, n_aliased: int):
+    """q [T, Hq, D] (head h * G + g is head g of kv head h's group) and k/v
+    [L * Hkv, P * page, D] as whole refs; refs: `n_aliased` aliased inputs (never read
+    here), then the outputs: o [T, Hq, D] (kv_splits == 1), or the partials
+    o_part [splits, T, Hq, D] f32 and lse [splits, T, Hq] f32 (natural log; the caller
+    fills it with -inf, which a split with no keys leaves in place)."""
+    outs = refs[n_aliased:]
+    j, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
     s = _find_sequence(q_starts_ref, j, block_q, n_seqs)
     start = q_starts_ref[s]
     q_len = q_starts_ref[s + 1] - start
     first = (j - (start // block_q + s)) * block_q  # the block's first token in s
     mine = (q_len >= q_len_min) & (q_len <= q_len_max) & (first < q_len)
+    kv_len = jnp.minimum(kv_lens_ref[s], n_table * page_size)
+    # keys the block's last row sees (causal block skipping)
+    n_keys = jnp.clip(kv_len - q_len + jnp.minimum(first + block_q, q_len), 0, kv_len)
+    # this split's share of them: [lo, lo + chunk), chunk a multiple of block_k
+    chunk = pl.cdiv(pl.cdiv(n_keys, kv_splits), block_k) * block_k
+    lo = split * chunk
 
-    @pl.when(mine)
+    @pl.when(mine & (lo < n_keys))
     def _():
         kv_row = layer_ref[0] * kv_heads + h
-        kv_len = jnp.minimum(kv_lens_ref[s], n_table * page_size)
         r = jnp.arange(rows)
         tok = first + r // group  # [rows] token of s
         row_ok = (r < block_q * group) & (tok < q_len)
@@ -103,8 +115,6 @@ def _ragged_kernel(layer_ref, q_starts_ref, kv_lens_ref, tables_ref, q_ref, k_re
         ok2 = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
         q = pltriton.load(q_ref.at[q_idx], mask=ok2, other=0)
 
-        # keys the block's last row sees (causal block skipping)
-        n_keys = jnp.clip(kv_len - q_len + jnp.minimum(first + block_q, q_len), 0, kv_len)
         kt = jnp.arange(block_k)
         cols = jnp.broadcast_to(d, (block_k, head_dim))
 
@@ -131,9 +141,19 @@ def _ragged_kernel(layer_ref, q_starts_ref, kv_lens_ref, tables_ref, q_ref, k_re
 
         init = (jnp.zeros((rows, head_dim), jnp.float32),
                 jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
-        acc, _, l = jax.lax.fori_loop(0, pl.cdiv(n_keys, block_k), step, init)
-        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        pltriton.store(o_ref.at[q_idx], out.astype(o_ref.dtype), mask=ok2)
+        hi = jnp.minimum(lo + chunk, n_keys)
+        acc, m, l = jax.lax.fori_loop(lo // block_k, pl.cdiv(hi, block_k), step, init)
+        seen_any = l > 0  # a row may see none of this split's keys
+        out = acc / jnp.where(seen_any, l, 1.0)[:, None]
+        if kv_splits == 1:
+            o_ref, = outs
+            pltriton.store(o_ref.at[q_idx], out.astype(o_ref.dtype), mask=ok2)
+            return
+        o_part_ref, lse_ref = outs
+        lse = jnp.where(seen_any, (m + jnp.log2(jnp.where(seen_any, l, 1.0))) * _LN2,
+                        -jnp.inf)
+        pltriton.store(o_part_ref.at[(split,) + q_idx], out, mask=ok2)
+        pltriton.store(lse_ref.at[split, q_row, h * group + r % group], lse, mask=row_ok)
 
 
 def unsupported_reason(q, k_pages) -> str | None:
@@ -149,41 +169,95 @@ def unsupported_reason(q, k_pages) -> str | None:
     return None
 
 
-def _launch(o, q, k_flat, v_flat, layer, q_starts, kv_lens, tables, *, kv_heads: int,
-            page_size: int, block_q: int, q_len_min: int, q_len_max: int, block_k: int,
-            sm_scale: float, num_warps: int, num_stages: int, interpret: bool):
-    """One launch over the sequences with q_len_min <= q_len <= q_len_max, writing their
-    rows of o [T, Hq, D] in place (the other rows keep o's values)."""
+def _sm_count() -> int | None:
+    """Streaming multiprocessors of device 0; None off the GPU (the interpreter runs
+    programs one after another, so splitting gains nothing there)."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return None
+    return int(getattr(dev, "core_count", 0) or 132)
+
+
+def _pick_splits(max_blocks: int, kv_heads: int, tokens: int, sm_count: int | None) -> int:
+    """Splits of the key range for a launch whose largest plausible number of real
+    blocks is `max_blocks` (the module docstring's rule)."""
+    programs = max_blocks * kv_heads
+    if sm_count is None or tokens > _SPLIT_MAX_TOKENS or programs >= 2 * sm_count:
+        return 1
+    return max(1, min(_SPLIT_CAP, pl.cdiv(4 * sm_count, programs)))
+
+
+def merge_partials(o, o_part, lse):
+    """Rows of o [T, Hq, D] some split wrote: the log-sum-exp merge of o_part
+    [splits, T, Hq, D] f32 by lse [splits, T, Hq] f32; the others keep o's values (an
+    unwritten split's lse is -inf, its o_part undefined and never used)."""
+    mx = lse.max(axis=0)
+    written = mx > -jnp.inf
+    w = jnp.exp(lse - jnp.where(written, mx, 0.0))  # 0 for unwritten splits
+    num = jnp.where((lse > -jnp.inf)[..., None], w[..., None] * o_part, 0.0).sum(axis=0)
+    den = jnp.where(written, w.sum(axis=0), 1.0)
+    return jnp.where(written[..., None], (num / den[..., None]).astype(o.dtype), o)
+
+
+def _launch(o, parts, q, k_flat, v_flat, layer, q_starts, kv_lens, tables, *,
+            kv_heads: int, page_size: int, block_q: int, q_len_min: int, q_len_max: int,
+            block_k: int, kv_splits: int, sm_scale: float, num_warps: int, num_stages: int,
+            interpret: bool, n_alloc: int):
+    """One launch over the sequences with q_len_min <= q_len <= q_len_max.
+
+    kv_splits == 1: writes their rows of o [T, Hq, D] in place (the other rows keep o's
+    values) -> (o, parts). Else writes their partials into parts = (o_part, lse) (None:
+    new ones of `n_alloc` splits, lse filled with -inf; the other rows' and splits'
+    entries are kept) -> (o, parts), merged by the caller."""
     t, hq, head_dim = q.shape
     group = hq // kv_heads
     n_seqs, n_table = tables.shape
     rows = max(_MIN_ROWS, _pow2(block_q * group))
     block_k = max(block_k, page_size)
+    inputs = [layer, q_starts, kv_lens, tables, q, k_flat, v_flat]
+    if kv_splits == 1:
+        aliased, out_shape = [o], jax.ShapeDtypeStruct(o.shape, o.dtype)
+        aliases = {7: 0}
+    else:
+        if parts is None:  # o_part needs no fill: a row's split is read only where written
+            aliased = [jnp.full((n_alloc, t, hq), -jnp.inf, jnp.float32)]
+            aliases = {7: 1}
+        else:
+            n_alloc = parts[1].shape[0]
+            aliased, aliases = list(parts), {7: 0, 8: 1}
+        if kv_splits > n_alloc:
+            raise ValueError(f"kv_splits={kv_splits} exceeds the {n_alloc} splits of the "
+                             f"partials it writes into")
+        out_shape = (jax.ShapeDtypeStruct((n_alloc, t, hq, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((n_alloc, t, hq), jnp.float32))
     kernel = functools.partial(
         _ragged_kernel, group=group, kv_heads=kv_heads, block_q=block_q, rows=rows,
         page_size=page_size, block_k=block_k, n_seqs=n_seqs, n_table=n_table,
         q_len_min=q_len_min, q_len_max=q_len_max, scale_log2=sm_scale * _LOG2E,
-        allow_tf32=q.dtype != jnp.float32)  # float32 inputs get float32 products
-    return pl.pallas_call(
+        allow_tf32=q.dtype != jnp.float32,  # float32 inputs get float32 products
+        kv_splits=kv_splits, n_aliased=len(aliased))
+    out = pl.pallas_call(
         kernel,
-        grid=(t // block_q + n_seqs, kv_heads),
-        in_specs=[pl.no_block_spec] * 8,
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct(o.shape, o.dtype),
-        input_output_aliases={7: 0},
+        grid=(t // block_q + n_seqs, kv_heads, kv_splits),
+        in_specs=[pl.no_block_spec] * (len(inputs) + len(aliased)),
+        out_specs=pl.no_block_spec if kv_splits == 1 else (pl.no_block_spec,) * 2,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"ragged_paged_p{page_size}_bq{block_q}_bk{block_k}",
-    )(layer, q_starts, kv_lens, tables, q, k_flat, v_flat, o)
+        name=f"ragged_paged_p{page_size}_bq{block_q}_bk{block_k}_s{kv_splits}",
+    )(*inputs, *aliased)
+    return (out, parts) if kv_splits == 1 else (o, tuple(out))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "small_q", "block_q", "block_k",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "kv_splits", "num_warps", "num_stages",
+                                             "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts, *,
                            sm_scale: float, layer=None, small_q: int | None = None,
                            block_q: int | None = None, block_k: int | None = None,
-                           num_warps: int = 4, num_stages: int = 3,
-                           interpret: bool | None = None):
+                           kv_splits: int | None = None, num_warps: int = 4,
+                           num_stages: int = 3, interpret: bool | None = None):
     """q [T, Hq, D]; k/v pages [Hkv, P, page, D] (or [L, Hkv, P, page, D] with `layer`, read
     in place); block_tables [S, W]; kv_lens [S]; q_starts [S + 1] -> [T, Hq, D].
 
@@ -191,7 +265,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     of that many tokens (default: as many as fit 16 rows, 16 // G, at least 1);
     block_q: tokens per block of the longer sequences (default: 64 // G, at least small_q);
     block_k: keys per inner step (raised to the page size; default 128 in the decode
-    launch, 64 in the prefill launch, whose tiles have more rows).
+    launch, 64 in the prefill launch, whose tiles have more rows);
+    kv_splits: programs per block along its keys, in both launches (default: the module
+    docstring's rule, per launch; 1 off the GPU).
     """
     if k_pages.ndim == 5:
         if layer is None:
@@ -203,6 +279,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     rows_total = math.prod(k_pages.shape[:-3])  # L * Hkv
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     t, hq, _ = q.shape
+    n_seqs = block_tables.shape[0]
     group = hq // kv_heads
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -213,18 +290,30 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     least_k = 1 if interpret else _MIN_ROWS  # tl.dot's least N and K when compiled
     if block_k is not None and (block_k < least_k or block_k & (block_k - 1)):
         raise ValueError(f"block_k={block_k} must be a power of two >= {least_k}")
+    if kv_splits is not None and (not isinstance(kv_splits, int) or kv_splits < 1):
+        raise ValueError(f"kv_splits={kv_splits!r} must be an int >= 1 (or None for the "
+                         f"default rule)")
     k_flat, v_flat = (x.reshape(rows_total, num_pages * page_size, head_dim)
                       for x in (k_pages, v_pages))
     args = (k_flat, v_flat, layer, q_starts.astype(jnp.int32), kv_lens.astype(jnp.int32),
             block_tables.astype(jnp.int32))
-    launch = functools.partial(_launch, kv_heads=kv_heads, page_size=page_size,
-                               sm_scale=sm_scale, num_warps=num_warps,
-                               num_stages=num_stages, interpret=interpret)
+    sm_count = _sm_count()
+    # (block_q, q_len range, block_k, the largest plausible number of real blocks)
+    launches = [(small_q, 1, small_q, block_k or 128, min(n_seqs, t))]  # decode, verify
+    if t > small_q:  # prefill chunks
+        launches.append((block_q, small_q + 1, t, block_k or 64,
+                         t // block_q + min(n_seqs, t // (small_q + 1))))
+    splits = [kv_splits or _pick_splits(n, kv_heads, t, sm_count)
+              for *_, n in launches]
     o = jnp.zeros_like(q)  # rows past q_starts[S] stay zero
-    # decode and verify rows: blocks of min(q_len, small_q) tokens, 16-row tiles
-    o = launch(o, q, *args, block_q=small_q, q_len_min=1, q_len_max=small_q,
-               block_k=block_k or 128)
-    if t > small_q:  # prefill chunks: blocks of block_q tokens
-        o = launch(o, q, *args, block_q=block_q, q_len_min=small_q + 1, q_len_max=t,
-                   block_k=block_k or 64)
+    parts = None  # the split launches' partials, one buffer shared by both
+    n_alloc = max(splits)
+    for (bq, q_min, q_max, bk, _), n_splits in zip(launches, splits):
+        o, parts = _launch(
+            o, parts, q, *args, kv_heads=kv_heads, page_size=page_size, block_q=bq,
+            q_len_min=q_min, q_len_max=q_max, block_k=bk, kv_splits=n_splits,
+            sm_scale=sm_scale, num_warps=num_warps, num_stages=num_stages,
+            interpret=interpret, n_alloc=n_alloc)
+    if parts is not None:
+        o = merge_partials(o, *parts)
     return o
