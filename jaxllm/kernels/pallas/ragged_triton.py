@@ -8,22 +8,25 @@ written), and new token i sees keys 0 .. kv_lens[s] - q_len + i.
 Work items. A program handles one kv head and one block of up to `block_q` consecutive
 new tokens of one sequence, with all G query heads of the kv head's group: the tile has
 block_q x G rows (row r = token r // G, head r % G), padded to a power of two of at least
-16 so both products run on tensor cores. Blocks are numbered without a table: the blocks
-of sequence s start at number q_starts[s] // block_q + s, which grows with s and leaves
-room for the cdiv(q_len, block_q) blocks of s before the next sequence's start, so
-T // block_q + S programs cover every block of any valid step (the remainder find no
-block and return at once). A program finds its sequence by a binary search over
-q_starts (log2 S scalar loads), so nothing is precomputed on the host and nothing
-depends on values at compile time.
+16 so both products run on tensor cores. Blocks are numbered per launch: the launch's
+sequence s owns blocks block_starts[s] .. block_starts[s + 1] - 1, block_starts [S + 1]
+being the running sum of its sequences' cdiv(q_len, block_q) (one small jnp op on the
+device, from q_starts; the launch's other sequences own none). The grid covers the
+largest number of blocks any valid step of T tokens can have (min(S, T) in the decode
+launch, one block a sequence; T // block_q + min(S, T // (small_q + 1)) in the prefill
+one), so it grows with T, not with the S sequence slots; block numbers past the step's
+last block return at once. A program finds its sequence by a binary search over
+block_starts (log2 S scalar loads); nothing depends on values at compile time.
 
 Two launches of the same kernel share one output. One-token (and few-token) sequences
 would waste most of a prefill-sized tile, so sequences with q_len <= `small_q` (decode,
 speculative verify) run in a launch whose blocks hold min(q_len, small_q) tokens x G
 heads in a 16-row tile (as our paged decode kernel), and longer ones (prefill chunks) in
 a second launch with `block_q` = 64 / G tokens (64-row tiles). Keys per inner step:
-`block_k`, 128 in the decode launch (as the paged decode kernel), 64 in the prefill one. Each launch skips the
-other's sequences; the output starts as zeros (padding rows stay zero) and the second
-launch writes into the first's output in place (an aliased buffer).
+`block_k`, 128 in the decode launch (as the paged decode kernel), 64 in the prefill
+one. Each launch skips the other's sequences; the output starts as zeros (padding rows
+stay zero) and the second launch writes into the first's output in place (an aliased
+buffer).
 
 Inner loop. The program walks its sequence's pages `block_k` tokens per step, only up
 to the last key its last row can see (causal block skipping): page ids come from the
@@ -33,11 +36,30 @@ are never read), each row is masked at its own position, and an online softmax i
 float32 with base-2 exponentials accumulates the output. A block reads each K/V page it
 can see once per kv head, for all of the group's query heads at once.
 
-Costs of the design: a decode-only step still launches the prefill kernel, whose
-programs all find no sequence of theirs and return after the search; and there is no
-split of long contexts across programs (flash-decoding): the decode launch has Hkv
-programs per sequence, which fills the GPU at serving batch sizes but not for a few long
-sequences alone.
+Splits of the key range (flash-decoding). A step of a few blocks (one prefill chunk over
+a long cached prefix, decode at small batch) would leave most of the GPU idle with one
+program per block and kv head, so each launch has a static `kv_splits` and a third grid
+axis: split j of a block takes the block's visible keys [j * chunk, (j + 1) * chunk),
+chunk = the visible keys / kv_splits rounded up to `block_k` (computed in the kernel from
+the block's own length, so short blocks leave their last splits empty: those return at
+once). A split writes its normalised partial output and natural log-sum-exp (float32)
+into [splits, T, Hq, D] and [splits, T, Hq] buffers; the LSE buffer starts at -inf and
+the partial outputs are left unfilled (read only where an LSE was written). Both launches
+share the buffers; a jnp epilogue merges the splits by LSE for the rows some split wrote
+and keeps the other rows (the other launch's direct writes, padding zeros) as they are.
+With kv_splits == 1 a launch writes its final rows directly (no buffers, no merge).
+
+The default split rule, per launch, from static shapes only: with programs = the grid's
+blocks (the largest plausible number of real blocks, above) x Hkv,
+kv_splits = 1 if T > 256 or programs already fill two waves of the GPU's SMs, else
+ceil(4 x SMs / programs) capped at 16. Off the GPU (the interpreter) it is 1. So a
+decode-only step of T = 64 sequence slots keeps one split in the decode launch, and the
+T = 16 / 32 buckets of a few long sequences get several.
+
+Costs of the design: each launch's block numbers are a small XLA op before it; a
+decode-only step still launches the prefill kernel, whose programs (times its splits)
+all find no block and return after the search; when that launch splits, its (empty)
+partials are still filled and merged, two small XLA kernels over [splits, T, Hq(, D)].
 """
 from __future__ import annotations
 
@@ -61,23 +83,23 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _find_sequence(q_starts_ref, j, block_q: int, n_seqs: int):
-    """The last sequence s whose first block number q_starts[s] // block_q + s is <= j
-    (binary search; the numbers grow strictly with s)."""
+def _find_sequence(block_starts_ref, j, n_seqs: int):
+    """The last sequence s whose first block number block_starts[s] is <= j (binary
+    search; the numbers do not decrease with s)."""
     def step(_, lo_hi):
-        lo, hi = lo_hi  # invariant: first(lo) <= j, and the answer is < hi
+        lo, hi = lo_hi  # invariant: block_starts[lo] <= j, and the answer is < hi
         mid = (lo + hi) // 2
-        ok = q_starts_ref[mid] // block_q + mid <= j
+        ok = block_starts_ref[mid] <= j
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
     lo, _ = jax.lax.fori_loop(0, max(1, n_seqs.bit_length()), step,
                               (jnp.int32(0), jnp.int32(n_seqs)))
     return lo
 
 
-def _ragged_kernel(layer_ref, q_starts_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref,
-                   *refs, group: int, kv_heads: int, block_q: int, rows: int,
+def _ragged_kernel(layer_ref, block_starts_ref, q_starts_ref, kv_lens_ref, tables_ref, q_ref,
+                   k_ref, v_ref, *refs, group: int, kv_heads: int, block_q: int, rows: int,
                    page_size: int, block_k: int, n_seqs: int, n_table: int,
-                   q_len_min: int, q_len_max: int, scale_log2: float, allow_tf32: bool,
+                   scale_log2: float, allow_tf32: bool,
                    kv_splits: int, n_aliased: int):
     """q [T, Hq, D] (head h * G + g is head g of kv head h's group) and k/v
     [L * Hkv, P * page, D] as whole refs; refs: `n_aliased` aliased inputs (never read
@@ -87,11 +109,11 @@ def _ragged_kernel(layer_ref, q_starts_ref, kv_lens_ref, tables_ref, q_ref, k_re
     outs = refs[n_aliased:]
     j, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
-    s = _find_sequence(q_starts_ref, j, block_q, n_seqs)
+    s = _find_sequence(block_starts_ref, j, n_seqs)
     start = q_starts_ref[s]
     q_len = q_starts_ref[s + 1] - start
-    first = (j - (start // block_q + s)) * block_q  # the block's first token in s
-    mine = (q_len >= q_len_min) & (q_len <= q_len_max) & (first < q_len)
+    first = (j - block_starts_ref[s]) * block_q  # the block's first token in s
+    mine = j < block_starts_ref[n_seqs]  # block j exists (then s is a sequence of ours)
     kv_len = jnp.minimum(kv_lens_ref[s], n_table * page_size)
     # keys the block's last row sees (causal block skipping)
     n_keys = jnp.clip(kv_len - q_len + jnp.minimum(first + block_q, q_len), 0, kv_len)
@@ -202,7 +224,7 @@ def merge_partials(o, o_part, lse):
 def _launch(o, parts, q, k_flat, v_flat, layer, q_starts, kv_lens, tables, *,
             kv_heads: int, page_size: int, block_q: int, q_len_min: int, q_len_max: int,
             block_k: int, kv_splits: int, sm_scale: float, num_warps: int, num_stages: int,
-            interpret: bool, n_alloc: int):
+            interpret: bool, n_alloc: int, max_blocks: int):
     """One launch over the sequences with q_len_min <= q_len <= q_len_max.
 
     kv_splits == 1: writes their rows of o [T, Hq, D] in place (the other rows keep o's
@@ -214,17 +236,24 @@ def _launch(o, parts, q, k_flat, v_flat, layer, q_starts, kv_lens, tables, *,
     n_seqs, n_table = tables.shape
     rows = max(_MIN_ROWS, _pow2(block_q * group))
     block_k = max(block_k, page_size)
-    inputs = [layer, q_starts, kv_lens, tables, q, k_flat, v_flat]
+    # block numbers: sequence s of this launch owns blocks block_starts[s] ..
+    # block_starts[s + 1] - 1 (the other sequences none)
+    q_lens = q_starts[1:] - q_starts[:-1]
+    ours = (q_lens >= q_len_min) & (q_lens <= q_len_max)
+    n_blocks = jnp.where(ours, (q_lens + block_q - 1) // block_q, 0)
+    block_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                    jnp.cumsum(n_blocks, dtype=jnp.int32)])
+    inputs = [layer, block_starts, q_starts, kv_lens, tables, q, k_flat, v_flat]
     if kv_splits == 1:
         aliased, out_shape = [o], jax.ShapeDtypeStruct(o.shape, o.dtype)
-        aliases = {7: 0}
+        aliases = {8: 0}
     else:
         if parts is None:  # o_part needs no fill: a row's split is read only where written
             aliased = [jnp.full((n_alloc, t, hq), -jnp.inf, jnp.float32)]
-            aliases = {7: 1}
+            aliases = {8: 1}
         else:
             n_alloc = parts[1].shape[0]
-            aliased, aliases = list(parts), {7: 0, 8: 1}
+            aliased, aliases = list(parts), {8: 0, 9: 1}
         if kv_splits > n_alloc:
             raise ValueError(f"kv_splits={kv_splits} exceeds the {n_alloc} splits of the "
                              f"partials it writes into")
@@ -233,12 +262,12 @@ def _launch(o, parts, q, k_flat, v_flat, layer, q_starts, kv_lens, tables, *,
     kernel = functools.partial(
         _ragged_kernel, group=group, kv_heads=kv_heads, block_q=block_q, rows=rows,
         page_size=page_size, block_k=block_k, n_seqs=n_seqs, n_table=n_table,
-        q_len_min=q_len_min, q_len_max=q_len_max, scale_log2=sm_scale * _LOG2E,
+        scale_log2=sm_scale * _LOG2E,
         allow_tf32=q.dtype != jnp.float32,  # float32 inputs get float32 products
         kv_splits=kv_splits, n_aliased=len(aliased))
     out = pl.pallas_call(
         kernel,
-        grid=(t // block_q + n_seqs, kv_heads, kv_splits),
+        grid=(max(1, max_blocks), kv_heads, kv_splits),
         in_specs=[pl.no_block_spec] * (len(inputs) + len(aliased)),
         out_specs=pl.no_block_spec if kv_splits == 1 else (pl.no_block_spec,) * 2,
         out_shape=out_shape,
@@ -308,12 +337,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     o = jnp.zeros_like(q)  # rows past q_starts[S] stay zero
     parts = None  # the split launches' partials, one buffer shared by both
     n_alloc = max(splits)
-    for (bq, q_min, q_max, bk, _), n_splits in zip(launches, splits):
+    for (bq, q_min, q_max, bk, n_blocks), n_splits in zip(launches, splits):
         o, parts = _launch(
             o, parts, q, *args, kv_heads=kv_heads, page_size=page_size, block_q=bq,
             q_len_min=q_min, q_len_max=q_max, block_k=bk, kv_splits=n_splits,
             sm_scale=sm_scale, num_warps=num_warps, num_stages=num_stages,
-            interpret=interpret, n_alloc=n_alloc)
+            interpret=interpret, n_alloc=n_alloc, max_blocks=n_blocks)
     if parts is not None:
         o = merge_partials(o, *parts)
     return o
