@@ -285,7 +285,7 @@ def _launch(o, parts, q, k_flat, v_flat, layer, q_starts, kv_lens, tables, *,
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts, *,
                            sm_scale: float, layer=None, small_q: int | None = None,
                            block_q: int | None = None, block_k: int | None = None,
-                           kv_splits: int | None = None, num_warps: int = 4,
+                           kv_splits: int | tuple[int, int] | None = None, num_warps: int = 4,
                            num_stages: int = 3, interpret: bool | None = None):
     """q [T, Hq, D]; k/v pages [Hkv, P, page, D] (or [L, Hkv, P, page, D] with `layer`, read
     in place); block_tables [S, W]; kv_lens [S]; q_starts [S + 1] -> [T, Hq, D].
@@ -295,8 +295,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     block_q: tokens per block of the longer sequences (default: 64 // G, at least small_q);
     block_k: keys per inner step (raised to the page size; default 128 in the decode
     launch, 64 in the prefill launch, whose tiles have more rows);
-    kv_splits: programs per block along its keys, in both launches (default: the module
-    docstring's rule, per launch; 1 off the GPU).
+    kv_splits: programs per block along its keys, in both launches, or a pair (decode
+    launch, prefill launch) (default: the module docstring's rule, per launch; 1 off the
+    GPU).
     """
     if k_pages.ndim == 5:
         if layer is None:
@@ -319,9 +320,11 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     least_k = 1 if interpret else _MIN_ROWS  # tl.dot's least N and K when compiled
     if block_k is not None and (block_k < least_k or block_k & (block_k - 1)):
         raise ValueError(f"block_k={block_k} must be a power of two >= {least_k}")
-    if kv_splits is not None and (not isinstance(kv_splits, int) or kv_splits < 1):
-        raise ValueError(f"kv_splits={kv_splits!r} must be an int >= 1 (or None for the "
-                         f"default rule)")
+    pair = kv_splits if isinstance(kv_splits, tuple) else (kv_splits, kv_splits)
+    if len(pair) != 2 or any(n is not None and (not isinstance(n, int) or n < 1)
+                             for n in pair):
+        raise ValueError(f"kv_splits={kv_splits!r} must be an int >= 1, a pair of them "
+                         f"(decode launch, prefill launch), or None for the default rule")
     k_flat, v_flat = (x.reshape(rows_total, num_pages * page_size, head_dim)
                       for x in (k_pages, v_pages))
     args = (k_flat, v_flat, layer, q_starts.astype(jnp.int32), kv_lens.astype(jnp.int32),
@@ -332,8 +335,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     if t > small_q:  # prefill chunks
         launches.append((block_q, small_q + 1, t, block_k or 64,
                          t // block_q + min(n_seqs, t // (small_q + 1))))
-    splits = [kv_splits or _pick_splits(n, kv_heads, t, sm_count)
-              for *_, n in launches]
+    splits = [given or _pick_splits(n, kv_heads, t, sm_count)
+              for given, (*_, n) in zip(pair, launches)]
     o = jnp.zeros_like(q)  # rows past q_starts[S] stay zero
     parts = None  # the split launches' partials, one buffer shared by both
     n_alloc = max(splits)
