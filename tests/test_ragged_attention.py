@@ -132,6 +132,15 @@ def test_small_blocks_several_per_sequence_and_garbage_table_entries():
 SPLIT_SEQS = [(0, 1), (1, 9), (P - 1, 1), (P, 5), (P + 1, 1), (37, 14), (29, 2)]
 
 
+@functools.cache
+def _split_run(kv_splits, hq, hkv):
+    """(args, clean args, the kernel's output with these splits) on SPLIT_SEQS."""
+    args, clean = _case(7, SPLIT_SEQS, page=P, hq=hq, hkv=hkv, pad_rows=3, pad_seqs=2)
+    out = ragged_triton.ragged_paged_attention(*args, sm_scale=0.3, small_q=2, block_q=3,
+                                               block_k=4, kv_splits=kv_splits)
+    return args, clean, np.asarray(out)
+
+
 @pytest.mark.parametrize("kv_splits,hq,hkv", [
     (1, 8, 2), (2, 8, 2), (3, 8, 2), ((1, 3), 8, 2), ((3, 1), 8, 2), (3, 2, 2), (2, 8, 1)])
 def test_key_splits_match_reference_reading_nothing_else(kv_splits, hq, hkv):
@@ -139,10 +148,7 @@ def test_key_splits_match_reference_reading_nothing_else(kv_splits, hq, hkv):
     them evenly and short blocks leave splits empty), merged by log-sum-exp: equal to
     the reference, NaN slots never read, padding rows exactly zero; a launch that does
     not split gives exactly the rows it gives with no split anywhere."""
-    args, clean = _case(7, SPLIT_SEQS, page=P, hq=hq, hkv=hkv, pad_rows=3, pad_seqs=2)
-    kernel = functools.partial(ragged_triton.ragged_paged_attention, sm_scale=0.3,
-                               small_q=2, block_q=3, block_k=4)
-    out = np.asarray(kernel(*args, kv_splits=kv_splits))
+    args, clean, out = _split_run(kv_splits, hq, hkv)
     assert np.isfinite(out).all()
     want = reference.ragged_paged_attention(*clean, sm_scale=0.3)
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
@@ -152,8 +158,8 @@ def test_key_splits_match_reference_reading_nothing_else(kv_splits, hq, hkv):
         q_lens = np.diff(np.asarray(args[5]))
         rows = np.repeat(q_lens <= 2, q_lens)  # the decode launch's rows
         rows = rows if kv_splits[0] == 1 else ~rows
-        np.testing.assert_array_equal(out[:n_real][rows],
-                                      np.asarray(kernel(*args, kv_splits=1))[:n_real][rows])
+        unsplit = _split_run(1, hq, hkv)[2]
+        np.testing.assert_array_equal(out[:n_real][rows], unsplit[:n_real][rows])
 
 
 def test_default_splits_follow_the_rule(monkeypatch):
