@@ -14,6 +14,14 @@ permutation), bf16. Two steps:
   (b) mixed: T = 2048 tokens, one or two prefill chunks over cached prefixes plus 32
       decode rows; ours against the reference. Figure: TFLOP/s of the real tokens' causal
       attention (4 x D x Hq x the keys each token sees).
+Then steps of a few sequences, where splitting each block's keys over programs
+(`kv_splits`) matters, at the 1B model's GQA 16/8, D 128, padded as the engine pads
+them (T to a power of two >= 16, S to 64 sequence slots, the rest empty):
+  (c) a prefix-cache hit: one sequence, a 32-token chunk over a 2048-token prefix (T 32);
+  (d) decode at batch 1 and 8 over 4096-token contexts (T 16), and at batch 64 over
+      512-2048 (T 64, where the decode launch does not split);
+ours (the default split rule) and ours with kv_splits=1 against the reference, and our
+paged decode kernel on the real sequences for (d). Figure: TB/s of K/V read.
 Every implementation is first checked against the reference on the step it is timed
 on; the table's `check` column says how it went. Implementations of a step are timed in
 interleaved rounds (`benchmarks.common`); "x ref" is the median per-round ratio.
@@ -33,9 +41,13 @@ from jaxllm.kernels import paged_attention, ragged_paged_attention
 
 FULL = dict(hq=32, hkv=8, head_dims=(128, 64), page=16, batch=64, ctx=(1024, 2048),
             tokens=2048, decode_rows=32,
-            mixed={"one chunk": [(1024, 2016)], "two chunks": [(1500, 500), (256, 1516)]})
+            mixed={"one chunk": [(1024, 2016)], "two chunks": [(1500, 500), (256, 1516)]},
+            small=dict(hq=16, hkv=8, d=128, page=16, slots=64, prefix=2048, chunk=32,
+                       ctx=4096, batches=(1, 8), wide=64, wide_ctx=(512, 2048)))
 QUICK = dict(hq=8, hkv=2, head_dims=(64,), page=16, batch=4, ctx=(40, 100), tokens=64,
-             decode_rows=4, mixed={"two chunks": [(50, 20), (17, 40)]})
+             decode_rows=4, mixed={"two chunks": [(50, 20), (17, 40)]},
+             small=dict(hq=4, hkv=2, d=32, page=16, slots=8, prefix=70, chunk=9, ctx=90,
+                        batches=(1, 3), wide=8, wide_ctx=(20, 60)))
 DTYPE = jnp.bfloat16
 
 
@@ -69,6 +81,11 @@ def ours(q, k, v, t, kv_lens, q_starts):
     return ragged_paged_attention(q, k, v, t, kv_lens, q_starts, impl="pallas_triton")
 
 
+def ours_unsplit(q, k, v, t, kv_lens, q_starts):
+    return ragged_paged_attention(q, k, v, t, kv_lens, q_starts, impl="pallas_triton",
+                                  kv_splits=1)
+
+
 def ref(q, k, v, t, kv_lens, q_starts):
     return ragged_paged_attention(q, k, v, t, kv_lens, q_starts, impl="reference")
 
@@ -80,8 +97,9 @@ def paged_decode(q, k, v, t, kv_lens, q_starts):
 
 def check(name, fn, args, want) -> str:
     try:
-        got = fn(*args)
-        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        got = fn(*args)  # (the paged decode kernel: the first rows only)
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32)
+                                    - want[:got.shape[0]].astype(jnp.float32))))
     except Exception as e:  # noqa: BLE001  report, keep going
         print(f"  check {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         return "FAIL"
@@ -143,6 +161,37 @@ def mixed_rows(shape: dict, d: int, rounds: int) -> list[dict]:
     return rows
 
 
+def _bucket(n: int) -> int:
+    """The engine's token bucket: a power of two, at least 16."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def small_rows(shape: dict, rounds: int) -> list[dict]:
+    """Steps of a few sequences in the engine's padded buckets (module docstring, c-d)."""
+    sm = dict(shape["small"])
+    d, slots = sm["d"], sm["slots"]
+    rng = np.random.default_rng(7)
+    wide = [(int(c) - 1, 1) for c in rng.integers(*sm["wide_ctx"], sm["wide"])]
+    steps = [("prefix hit", [(sm["prefix"], sm["chunk"])], False)]
+    steps += [(f"decode b{b}", [(sm["ctx"] - 1, 1)] * b, True) for b in sm["batches"]]
+    steps += [(f"decode b{sm['wide']}", wide, True)]
+    rows = []
+    for i, (what, seqs, decode) in enumerate(steps):
+        n_real = len(seqs)
+        seqs = seqs + [(0, 0)] * (slots - n_real)
+        tokens = sum(n for _, n in seqs)
+        t = _bucket(tokens)
+        args = step_inputs(100 + i, seqs, sm, d, pad_rows=t - tokens)
+        kv_bytes = sum(c + n for c, n in seqs) * sm["hkv"] * d * 2 * jnp.dtype(DTYPE).itemsize
+        impls = {"ours": ours, "ours, kv_splits=1": ours_unsplit, "reference": ref}
+        if decode:
+            def paged(q, k, v, tables, kv_lens, q_starts, b=n_real):
+                return paged_decode(q[:b], k, v, tables[:b], kv_lens[:b], q_starts)
+            impls["paged decode"] = paged
+        rows += measure(what, impls, args, rounds, kv_bytes=kv_bytes, D=d, T=t)
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
@@ -155,6 +204,7 @@ def main(argv=None) -> list[dict]:
     for d in shape["head_dims"]:
         rows += decode_rows(shape, d, args.rounds)
         rows += mixed_rows(shape, d, args.rounds)
+    rows += small_rows(shape, args.rounds)
     write_json(args.json, rows, shape={k: str(v) for k, v in shape.items()})
     print_table(rows, ["step", "D", "T", "impl", "us", "TB/s", "% HBM", "TFLOP/s", "x ref",
                        "check"],

@@ -2,6 +2,7 @@
 the jnp reference against a naive per-sequence computation, and the pallas_triton kernel
 (interpret mode on the CPU) against the reference."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +128,62 @@ def test_small_blocks_several_per_sequence_and_garbage_table_entries():
     assert ragged_triton.ragged_paged_attention._cache_size() == compiled
 
 
+# contexts 0, 1, P-1, P, P+1 and long; a one-key sequence (fewer keys than splits)
+SPLIT_SEQS = [(0, 1), (1, 9), (P - 1, 1), (P, 5), (P + 1, 1), (37, 14), (29, 2)]
+
+
+@functools.cache
+def _split_run(kv_splits, hq, hkv):
+    """(args, clean args, the kernel's output with these splits) on SPLIT_SEQS."""
+    args, clean = _case(7, SPLIT_SEQS, page=P, hq=hq, hkv=hkv, pad_rows=3, pad_seqs=2)
+    out = ragged_triton.ragged_paged_attention(*args, sm_scale=0.3, small_q=2, block_q=3,
+                                               block_k=4, kv_splits=kv_splits)
+    return args, clean, np.asarray(out)
+
+
+@pytest.mark.parametrize("kv_splits,hq,hkv", [
+    (1, 8, 2), (2, 8, 2), (3, 8, 2), ((1, 3), 8, 2), ((3, 1), 8, 2), (3, 2, 2), (2, 8, 1)])
+def test_key_splits_match_reference_reading_nothing_else(kv_splits, hq, hkv):
+    """Each block's keys split over programs (4 keys a step, so 3 splits do not divide
+    them evenly and short blocks leave splits empty), merged by log-sum-exp: equal to
+    the reference, NaN slots never read, padding rows exactly zero; a launch that does
+    not split gives exactly the rows it gives with no split anywhere."""
+    args, clean, out = _split_run(kv_splits, hq, hkv)
+    assert np.isfinite(out).all()
+    want = reference.ragged_paged_attention(*clean, sm_scale=0.3)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    n_real = int(args[5][-1])
+    np.testing.assert_array_equal(out[n_real:], 0.0)
+    if isinstance(kv_splits, tuple):  # the unsplit launch's rows are bit for bit as before
+        q_lens = np.diff(np.asarray(args[5]))
+        rows = np.repeat(q_lens <= 2, q_lens)  # the decode launch's rows
+        rows = rows if kv_splits[0] == 1 else ~rows
+        unsplit = _split_run(1, hq, hkv)[2]
+        np.testing.assert_array_equal(out[:n_real][rows], unsplit[:n_real][rows])
+
+
+def test_default_splits_follow_the_rule(monkeypatch):
+    """On a GPU of 132 SMs (1B model shapes: Hq 16 / Hkv 8, S = 64 sequence slots): the
+    decode launch splits at T = 16 and 32, not at T = 64 (64 blocks x 8 heads fill two
+    waves); the prefill launch splits up to 16 ways at small T; nothing splits past T =
+    256; off the GPU nothing splits."""
+    def splits(t):
+        sds = jax.ShapeDtypeStruct
+        pages = sds((8, 64, 16, 128), jnp.bfloat16)
+        jaxpr = jax.make_jaxpr(functools.partial(ragged_triton.ragged_paged_attention,
+                                                 sm_scale=0.1))(
+            sds((t, 16, 128), jnp.bfloat16), pages, pages, sds((64, 8), jnp.int32),
+            sds((64,), jnp.int32), sds((65,), jnp.int32))
+        names = re.findall(r"ragged_paged_p16_bq(\d+)_bk\d+_s(\d+)", str(jaxpr))
+        return {int(bq): int(n) for bq, n in names}  # block_q 8: decode, 32: prefill
+
+    assert splits(48) == {8: 1, 32: 1}  # shapes traced only here: the jit cache is cold
+    monkeypatch.setattr(ragged_triton, "_sm_count", lambda: 132)
+    assert splits(16)[8] > 1 and splits(32)[8] > 1 and splits(32)[32] == 16
+    assert splits(64)[8] == 1 and splits(64)[32] > 1
+    assert splits(512) == {8: 1, 32: 1}
+
+
 def test_layer_stack_is_read_in_place_at_the_named_layer():
     _, (q, k, v, tables, kv_lens, q_starts) = _case(
         4, [(5, 1), (0, 7), (9, 3)], page=8, hq=8, hkv=2, pad_rows=1)
@@ -155,17 +212,22 @@ def test_bad_inputs_raise():
         ragged_paged_attention(q, k[None], v[None], tables, kv_lens, q_starts)
     with pytest.raises(ValueError, match="must be integers"):
         ragged_paged_attention(q, k, v, tables, kv_lens.astype(jnp.float32), q_starts)
+    for bad in (0, (2, 0), (1, 2, 3)):
+        with pytest.raises(ValueError, match="kv_splits"):
+            ragged_triton.ragged_paged_attention(q, k, v, tables, kv_lens, q_starts,
+                                                 sm_scale=0.1, kv_splits=bad)
     odd = jnp.zeros((2, 3, 6, 32))
     with pytest.raises(ValueError, match="page_size=6 is not a power of two"):
         ragged_paged_attention(q, odd, odd, tables, kv_lens, q_starts, impl="pallas_triton")
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel needs a GPU")
-def test_gpu_bf16_mixed_step_matches_reference():
+@pytest.mark.parametrize("kv_splits", [None, 1, 5])
+def test_gpu_bf16_mixed_step_matches_reference(kv_splits):
     seqs = [(1500, 500)] + [(c, 1) for c in (0, 15, 16, 17, 1023, 2047, 700, 64)] + [(30, 4)]
     args, clean = _case(6, seqs, page=16, hq=32, hkv=8, d=128, pad_rows=7, pad_seqs=3,
                         dtype=jnp.bfloat16)
-    out = ragged_paged_attention(*args, impl="pallas_triton")
+    out = ragged_paged_attention(*args, impl="pallas_triton", kv_splits=kv_splits)
     want = ragged_paged_attention(*clean, impl="reference")
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                atol=2e-2, rtol=2e-2)
@@ -174,15 +236,17 @@ def test_gpu_bf16_mixed_step_matches_reference():
 def test_lowers_for_the_gpu():
     """The Triton lowering (to Triton IR, then StableHLO) on any machine: the interpreter
     above never sees the Triton lowering rules. Both launches, a layer stack with a traced
-    layer, float32 and bf16."""
-    def lower(dtype, q, pages, *, layer=False):
+    layer, float32 and bf16, split and unsplit launches."""
+    def lower(dtype, q, pages, *, layer=False, kv_splits=None):
         def fn(q, k, v, tables, kv_lens, q_starts, *layer):
             return ragged_triton.ragged_paged_attention(
                 q, k, v, tables, kv_lens, q_starts, layer=layer[0] if layer else None,
-                sm_scale=0.1, interpret=False)
+                sm_scale=0.1, interpret=False, kv_splits=kv_splits)
         shapes = [(q, dtype), (pages, dtype), (pages, dtype), ((5, 8), jnp.int32),
                   ((5,), jnp.int32), ((6,), jnp.int32)] + [((), jnp.int32)] * layer
         args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     lower(jnp.bfloat16, (64, 32, 128), (8, 32, 16, 128))
     lower(jnp.float32, (48, 16, 64), (3, 2, 32, 16, 64), layer=True)
+    lower(jnp.bfloat16, (32, 16, 128), (8, 32, 16, 128), kv_splits=(3, 16))  # split, merged
+    lower(jnp.bfloat16, (32, 16, 128), (8, 32, 16, 128), kv_splits=(1, 4))
