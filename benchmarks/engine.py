@@ -1,8 +1,8 @@
 """The serving engine in process: its decode step against the roofline, continuous batching
 against static batches, prefix caching's TTFT, warm-up and compiles.
 
-    PYTHONPATH=. python benchmarks/engine.py [--config configs/llama_1b.yaml] [--requests 256]
-        [--batch 64] [--json PATH] [config overrides ...]
+    PYTHONPATH=. python benchmarks/engine.py [--config configs/llama_1b.yaml] [--requests 512]
+        [--batch 64] [--max-seqs 256] [--profile DIR] [--json PATH] [config overrides ...]
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/engine.py --quick     # smoke test
 
 The config's model with random weights (speed does not depend on them), bf16 on a GPU.
@@ -38,10 +38,10 @@ from jaxllm.inference.generate import generate_ids
 from jaxllm.inference.requests import SamplingParams
 from jaxllm.inference.scheduler import Request, Scheduled
 
-FULL = dict(config="configs/llama_1b.yaml", requests=256, batch=64, context="512:2048",
-            prompt_len="32:2048", output_len="16:512", prefix_len=2048, prefix_requests=16)
-QUICK = dict(config="configs/tiny.yaml", requests=8, batch=4, context="16:64",
-             prompt_len="8:64", output_len="4:16", prefix_len=64, prefix_requests=3)
+FULL = dict(config="configs/llama_1b.yaml", requests=512, batch=64, max_seqs=256,
+            context="512:2048", prompt_len="32:2048", output_len="16:512", prefix_len=2048, prefix_requests=16)
+QUICK = dict(config="configs/tiny.yaml", requests=8, batch=4, max_seqs=8,
+             context="16:64", prompt_len="8:64", output_len="4:16", prefix_len=64, prefix_requests=3)
 QUICK_OVERRIDES = ["model.n_layers=2", "model.max_seq_len=256"]
 
 
@@ -81,7 +81,7 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         req = Request(f"d{i}", [0] * int(n), SamplingParams(temperature=0), i)
         req.seq = a.allocate()
         (slots,), _ = a.append([req.seq], [int(n)])
-        scheduled.append(Scheduled(req, int(n) - 1, 1, slots[-1:], True))
+        scheduled.append(Scheduled(req, int(n) - 1, 1, int(slots[-1]), True))
     b = engine._batch(scheduled)
     run = engine.runner
     for _ in range(3):
@@ -145,7 +145,12 @@ def continuous(engine: Engine, prompts, outputs) -> dict:
             n_out += out.completion_tokens
     total = time.perf_counter() - t0
     after = engine.stats()
-    return {"case": "continuous batching (engine)", "requests": len(prompts),
+    steps = after["steps"] - before["steps"]
+    host = {k: 1e3 * (after[k] - before[k]) / steps for k in ("dispatch_s", "wait_s", "collect_s")}
+    print(f"engine: {steps} steps; per step: dispatch {host['dispatch_s']:.2f} ms, wait "
+          f"{host['wait_s']:.2f} ms, outputs {host['collect_s']:.2f} ms", flush=True)
+    return {"case": f"continuous batching (engine, {engine.config.max_num_seqs} seqs)",
+            "requests": len(prompts), "steps": steps,
             "output tok/s": n_out / total, "median E2E s": statistics.median(e2e),
             "p99 E2E s": float(np.percentile(e2e, 99)), "total s": total,
             "preemptions": after["preemptions"] - before["preemptions"],
@@ -187,7 +192,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config")
     ap.add_argument("--requests", type=int)
-    ap.add_argument("--batch", type=int)
+    ap.add_argument("--batch", type=int, help="the decode step's and the static batches' size")
+    ap.add_argument("--max-seqs", type=int, help="the engine's inference.engine.max_num_seqs")
     ap.add_argument("--context", help="decode-step contexts lo:hi")
     ap.add_argument("--prompt-len")
     ap.add_argument("--output-len")
@@ -208,7 +214,7 @@ def main(argv=None):
     model = build_model(cfg.model, rngs=nnx.Rngs(0))
     from jaxllm.inference.params import decode_params
     params = decode_params(model, cfg)
-    engine_kw = dict(max_num_seqs=args.batch)
+    engine_kw = dict(max_num_seqs=args.max_seqs)
     if args.quick:
         engine_kw.update(num_pages=256, page_size=8, max_num_batched_tokens=64)
 

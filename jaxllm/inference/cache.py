@@ -162,6 +162,19 @@ class PageAllocator:
             self._lengths[s] = length + n
         return slots, copies
 
+    def append_one(self, seq: int) -> int:
+        """Room for one more token of `seq` (a decode step): its flat pool slot. The same
+        as append([seq], [1]) (OutOfPagesError when it needs a page and none is free), with
+        a fast path for a token that lands in the sequence's own, partly filled last page."""
+        length, pages = self._lengths[seq], self._pages[seq]
+        offset = length % self.page_size
+        if offset and self._refs[pages[-1]] == 1:
+            self._lengths[seq] = length + 1
+            return pages[-1] * self.page_size + offset
+        (slots,), copies = self.append([seq], [1])
+        assert not copies
+        return int(slots[0])
+
     # ---- internals ----
     def _check(self, seq: int) -> int:
         if seq not in self._pages:

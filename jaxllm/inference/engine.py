@@ -104,7 +104,9 @@ class Engine:
         self._live: dict[str, _Live] = {}
         self._inflight = None  # (scheduled, sampled tokens on the device) of the last step
         self._numbers = itertools.count()
-        self.totals = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0, steps=0)
+        # host seconds scheduling + dispatching, waiting for the device, and processing outputs
+        self.totals = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0, steps=0,
+                           dispatch_s=0.0, wait_s=0.0, collect_s=0.0)
 
     # ---- requests ----
     def check_request(self, prompt_ids, params: SamplingParams) -> None:
@@ -145,6 +147,7 @@ class Engine:
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, prompt_ids, params, next(self._numbers))
+        req.seed_words = self._seed(req)
         self._live[request_id] = _Live(req, self.tokenizer.stream_decoder())
         self.scheduler.add(req)
         self.totals["prompt_tokens"] += len(prompt_ids)
@@ -180,17 +183,21 @@ class Engine:
         return outputs
 
     def _dispatch(self):
+        t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return None
         tokens = self.runner.run(self._batch(scheduled))
         self.scheduler.dispatched(scheduled)
         self.totals["steps"] += 1
+        self.totals["dispatch_s"] += time.perf_counter() - t0
         return scheduled, tokens
 
     def _collect(self, scheduled: list[Scheduled], tokens) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         tokens = np.asarray(tokens)  # waits for the step
         now, outputs = time.perf_counter(), []
+        self.totals["wait_s"] += now - t0
         for i, s in enumerate(scheduled):
             if not s.sample:
                 continue
@@ -201,6 +208,7 @@ class Engine:
                 continue
             outputs.append(self._append(live, int(tokens[i]), now))
         self.scheduler.register(s.request for s in scheduled)
+        self.totals["collect_s"] += time.perf_counter() - now
         return outputs
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
@@ -263,6 +271,17 @@ class Engine:
         t = 0
         for i, s in enumerate(scheduled):
             r, p = s.request, s.request.params
+            if s.n == 1:  # a decode row (the common case, kept cheap)
+                if s.start < len(r.tokens):
+                    b.tokens[t] = r.tokens[s.start]
+                else:  # the pending token, sampled by the step before
+                    b.from_previous[t] = r.sample_slot
+                b.positions[t], b.slots[t] = s.start, s.slots
+                t += 1
+                b.q_starts[i + 1], b.kv_lens[i], b.sample_at[i] = t, s.start + 1, t - 1
+                if s.sample:
+                    self._sampling_row(b, i, r, p)
+                continue
             known = r.tokens[s.start:s.start + s.n]
             b.tokens[t:t + len(known)] = known
             if len(known) < s.n:  # the pending token, sampled by the step before
@@ -274,14 +293,18 @@ class Engine:
             b.kv_lens[i] = s.start + s.n
             b.sample_at[i] = t - 1
             if s.sample:
-                b.temperature[i], b.top_k[i], b.top_p[i] = p.temperature, p.top_k, p.top_p
-                b.seed[i] = self._seed(r)
-                b.draw[i] = len(r.output) + r.pending
-                if len(r.output) + r.pending < p.min_tokens:
-                    banned = self._banned(p)
-                    b.banned[i, :len(banned)] = banned
+                self._sampling_row(b, i, r, p)
         b.q_starts[len(scheduled) + 1:] = t
         return b
+
+    def _sampling_row(self, b: StepBatch, i: int, r: Request, p: SamplingParams) -> None:
+        if p.temperature > 0:  # greedy rows keep the batch's zeros
+            b.temperature[i], b.top_k[i], b.top_p[i] = p.temperature, p.top_k, p.top_p
+            b.seed[i] = r.seed_words
+        b.draw[i] = len(r.output) + r.pending
+        if len(r.output) + r.pending < p.min_tokens:
+            banned = self._banned(p)
+            b.banned[i, :len(banned)] = banned
 
     def _append(self, live: _Live, token: int, now: float) -> RequestOutput:
         """A sampled token: stop ids, the length limit, then its text and stop strings."""

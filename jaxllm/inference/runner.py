@@ -29,11 +29,12 @@ from jaxllm.model.layers import as_dtype
 MAX_BANNED = 8  # token ids a row can ban at once (EOS / stop ids before min_tokens)
 
 
-def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from `smallest` up to the first one >= max_tokens."""
+def token_buckets(max_tokens: int, smallest: int = 16, step: int = 512) -> tuple[int, ...]:
+    """Powers of two from `smallest` to `step`, then multiples of `step`, up to the first
+    >= max_tokens (a step of decode rows plus one prompt pads less than to a power of two)."""
     out = [smallest]
     while out[-1] < max_tokens:
-        out.append(out[-1] * 2)
+        out.append(out[-1] * 2 if out[-1] < step else out[-1] + step)
     return tuple(out)
 
 

@@ -44,6 +44,7 @@ class Request:
     # step is built: the next step feeds it from the device at position len(tokens))
     pending: int = 0
     sample_slot: int = -1  # its sequence slot in the step that samples the pending token
+    seed_words: tuple[int, int] = (0, 0)  # its sampling seed as two uint32 words
 
     def __post_init__(self):
         self.tokens = list(self.prompt) + list(self.output)
@@ -66,7 +67,8 @@ class Request:
 
 @dataclasses.dataclass
 class Scheduled:
-    """A request's share of a step: `n` tokens from position `start`, at pool `slots`;
+    """A request's share of a step: `n` tokens from position `start`, at pool `slots` (an int
+    for one token);
     `sample`: the step reaches the end of its known tokens, so it draws the next one."""
     request: Request
     start: int
@@ -170,12 +172,16 @@ class Scheduler:
 
     # ---- internals ----
     def _scheduled(self, req: Request, n: int, slots) -> Scheduled:
+        if n == 1 and not isinstance(slots, int):
+            slots = int(slots[0])
         return Scheduled(req, req.computed, n, slots,
                          req.computed + n == req.known and req.wants_more)
 
     def _reserve_or_preempt(self, req: Request, n: int):
         while True:
             try:
+                if n == 1:
+                    return self.allocator.append_one(req.seq)
                 (slots,), copies = self.allocator.append([req.seq], [n])
                 assert not copies, "the engine never writes a shared page"
                 return slots
