@@ -50,6 +50,9 @@ def cli_commands():
     return out
 
 
+PACKAGE_CLIS = ("jaxllm.train", "jaxllm.serve")  # CLIs in a package's __main__
+
+
 def test_readme_commands_parse():
     """Each command's flags parse and its config with the overrides loads and checks
     (nothing is trained or loaded)."""
@@ -59,7 +62,7 @@ def test_readme_commands_parse():
     cmds = cli_commands()
     assert len(cmds) >= 10
     for module, *argv in cmds:
-        cli = importlib.import_module(module + ".__main__" if module == "jaxllm.train"
+        cli = importlib.import_module(module + ".__main__" if module in PACKAGE_CLIS
                                       else module)
         args = cli.build_parser().parse_args(argv)
         config = getattr(args, "config", None)
