@@ -68,6 +68,10 @@ class PageAllocator:
     def pages(self, seq: int) -> list[int]:
         return list(self._pages[self._check(seq)])
 
+    def pages_view(self, seq: int) -> list[int]:
+        """The sequence's page list itself (not a copy): read it, never change it."""
+        return self._pages[seq]
+
     def refcount(self, page: int) -> int:
         return int(self._refs[page])
 

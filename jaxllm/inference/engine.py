@@ -264,38 +264,60 @@ class Engine:
         return s & 0xFFFFFFFF, s >> 32
 
     def _batch(self, scheduled: list[Scheduled]) -> StepBatch:
-        total = sum(s.n for s in scheduled)
-        b = self.runner.empty_batch(self.runner.bucket(total))
-        a, vocab = self.scheduler.allocator, self.model_config.vocab_size
-        b.block_tables[:len(scheduled)] = a.block_tables([s.request.seq for s in scheduled])
-        t = 0
-        for i, s in enumerate(scheduled):
-            r, p = s.request, s.request.params
-            if s.n == 1:  # a decode row (the common case, kept cheap)
+        """The step's arrays: built as Python lists and written once per field (a step of
+        hundreds of decode rows is host work on every token)."""
+        n_seqs = len(scheduled)
+        lengths = [s.n for s in scheduled]
+        b = self.runner.empty_batch(self.runner.bucket(sum(lengths)))
+        tokens, slots, starts, previous = [], [], [], []
+        for s in scheduled:
+            r = s.request
+            starts.append(s.start)
+            if s.n == 1:  # a decode row (the common case)
+                slots.append(s.slots)
                 if s.start < len(r.tokens):
-                    b.tokens[t] = r.tokens[s.start]
-                else:  # the pending token, sampled by the step before
-                    b.from_previous[t] = r.sample_slot
-                b.positions[t], b.slots[t] = s.start, s.slots
-                t += 1
-                b.q_starts[i + 1], b.kv_lens[i], b.sample_at[i] = t, s.start + 1, t - 1
-                if s.sample:
-                    self._sampling_row(b, i, r, p)
-                continue
-            known = r.tokens[s.start:s.start + s.n]
-            b.tokens[t:t + len(known)] = known
-            if len(known) < s.n:  # the pending token, sampled by the step before
-                b.from_previous[t + s.n - 1] = r.sample_slot
-            b.positions[t:t + s.n] = np.arange(s.start, s.start + s.n)
-            b.slots[t:t + s.n] = s.slots
-            t += s.n
-            b.q_starts[i + 1] = t
-            b.kv_lens[i] = s.start + s.n
-            b.sample_at[i] = t - 1
+                    tokens.append(r.tokens[s.start])
+                    continue
+                tokens.append(0)
+            else:
+                slots.extend(s.slots.tolist())
+                known = r.tokens[s.start:s.start + s.n]
+                tokens.extend(known)
+                if len(known) == s.n:
+                    continue
+                tokens.append(0)
+            previous.append((len(tokens) - 1, r.sample_slot))  # the pending token, sampled
+        t = len(tokens)                                     # by the step before
+        b.tokens[:t], b.slots[:t] = tokens, slots
+        ends = np.cumsum(lengths)
+        b.q_starts[1:n_seqs + 1], b.q_starts[n_seqs + 1:] = ends, t
+        b.positions[:t] = np.arange(t) + np.repeat(np.asarray(starts) - (ends - lengths),
+                                                   lengths)
+        b.kv_lens[:n_seqs] = np.asarray(starts) + lengths
+        b.sample_at[:n_seqs] = ends - 1
+        if previous:
+            rows, from_slots = zip(*previous)
+            b.from_previous[list(rows)] = from_slots
+        self._tables(scheduled, b.block_tables)
+        for i, s in enumerate(scheduled):
             if s.sample:
-                self._sampling_row(b, i, r, p)
-        b.q_starts[len(scheduled) + 1:] = t
+                self._sampling_row(b, i, s.request, s.request.params)
         return b
+
+    def _tables(self, scheduled: list[Scheduled], out: np.ndarray) -> None:
+        """Block-table rows, kept per request and extended as its pages grow (a running
+        request's pages only grow: writes never go to shared pages, nothing is truncated)."""
+        a = self.scheduler.allocator
+        for i, s in enumerate(scheduled):
+            r = s.request
+            pages = a.pages_view(r.seq)
+            if r.table is None or r.table_seq != r.seq:
+                r.table = np.full(self.max_pages_per_seq, self.num_pages, np.int32)
+                r.table_seq, r.table_len = r.seq, 0
+            if len(pages) > r.table_len:
+                r.table[r.table_len:len(pages)] = pages[r.table_len:]
+                r.table_len = len(pages)
+            out[i] = r.table
 
     def _sampling_row(self, b: StepBatch, i: int, r: Request, p: SamplingParams) -> None:
         if p.temperature > 0:  # greedy rows keep the batch's zeros

@@ -45,6 +45,9 @@ class Request:
     pending: int = 0
     sample_slot: int = -1  # its sequence slot in the step that samples the pending token
     seed_words: tuple[int, int] = (0, 0)  # its sampling seed as two uint32 words
+    table: np.ndarray | None = None  # its block-table row (the engine's), for `table_seq`
+    table_seq: int | None = None
+    table_len: int = 0
 
     def __post_init__(self):
         self.tokens = list(self.prompt) + list(self.output)
@@ -115,12 +118,12 @@ class Scheduler:
         for req in order:
             if budget == 0:
                 break
-            if req not in self.running or (req.pending and not req.wants_more):
+            if req.seq is None or (req.pending and not req.wants_more):
                 continue  # preempted in this pass, or its pending token is its last
             n = min(req.to_compute, budget)
             slots = self._reserve_or_preempt(req, n)
             if self.preemptions != preemptions:  # drop what the preempted had been given
-                kept = [s for s in out if s.request in self.running]
+                kept = [s for s in out if s.request.seq is not None]
                 budget += sum(s.n for s in out) - sum(s.n for s in kept)
                 out = kept
             if slots is None:  # req itself was preempted: the pool is as full as it gets
