@@ -167,9 +167,9 @@ class PageAllocator:
         return slots, copies
 
     def append_one(self, seq: int) -> int:
-        """Room for one more token of `seq` (a decode step): its flat pool slot. The same
-        as append([seq], [1]) (OutOfPagesError when it needs a page and none is free), with
-        a fast path for a token that lands in the sequence's own, partly filled last page."""
+        """Room for one more token of `seq` (a decode step) whose last page is its own: its
+        flat pool slot. The same as append([seq], [1]) (OutOfPagesError when it needs a page
+        and none is free), with a fast path for a token that lands in that page."""
         length, pages = self._lengths[seq], self._pages[seq]
         offset = length % self.page_size
         if offset and self._refs[pages[-1]] == 1:
@@ -191,7 +191,7 @@ class PageAllocator:
         return n > 0 and partial and self._refs[pages[-1]] > 1
 
     def _take(self) -> int:
-        page = self._free.pop()
+        page = self._pop_free()
         assert self._refs[page] == 0, f"page {page} handed out while still referenced"
         self._refs[page] = 1
         return page
@@ -200,7 +200,14 @@ class PageAllocator:
         self._refs[page] -= 1
         assert self._refs[page] >= 0
         if self._refs[page] == 0:
-            self._free.append(page)
+            self._unused(page)
+
+    # where free pages come from and go (the prefix cache keeps some of them)
+    def _pop_free(self) -> int:
+        return self._free.pop()
+
+    def _unused(self, page: int) -> None:
+        self._free.append(page)
 
 
 # ---------------------------------------------------------------------------------------

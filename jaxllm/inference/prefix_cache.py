@@ -102,21 +102,15 @@ class PrefixCachingAllocator(PageAllocator):
         self._keys[child] = list(self._keys.get(seq, []))
         return child
 
-    def _take(self) -> int:
+    def _pop_free(self) -> int:
         if self._free:
-            page = self._free.pop()
-        else:  # evict the least recently used parked page
-            page, _ = self._parked.popitem(last=False)
-            del self._page_of[self._key_of.pop(page)]
-        assert self._refs[page] == 0, f"page {page} handed out while still referenced"
-        self._refs[page] = 1
+            return self._free.pop()
+        page, _ = self._parked.popitem(last=False)  # evict the least recently used
+        del self._page_of[self._key_of.pop(page)]
         return page
 
-    def _release(self, page: int) -> None:
-        self._refs[page] -= 1
-        assert self._refs[page] >= 0
-        if self._refs[page] == 0:
-            if page in self._key_of:
-                self._parked[page] = None  # most recently used last
-            else:
-                self._free.append(page)
+    def _unused(self, page: int) -> None:
+        if page in self._key_of:
+            self._parked[page] = None  # most recently used last
+        else:
+            self._free.append(page)

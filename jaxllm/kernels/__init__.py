@@ -50,6 +50,21 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     return fn(q, k, v, causal=causal, sm_scale=sm_scale, **kwargs)
 
 
+def _check_pages(op: str, q_layout: str, q, k_pages, v_pages, layer) -> None:
+    """The checks the paged ops share: q of rank 3, pages [Hkv, P, page, D] (or a layer
+    stack with `layer`), matching head dims and a whole number of query heads per kv head."""
+    if q.ndim != 3 or k_pages.ndim not in (4, 5) or k_pages.shape != v_pages.shape:
+        raise ValueError(f"{op} wants q {q_layout} and k/v pages [Hkv, P, page, D] (or "
+                         f"[L, Hkv, P, page, D] with layer=); got q{q.shape} "
+                         f"k{k_pages.shape} v{v_pages.shape}")
+    if (k_pages.ndim == 5) != (layer is not None):
+        raise ValueError(f"layer={layer!r} goes with k/v pages of rank 5 [L, Hkv, P, page, D], "
+                         f"and only with them; got pages{k_pages.shape}")
+    if q.shape[-1] != k_pages.shape[-1] or q.shape[1] % k_pages.shape[-4]:
+        raise ValueError(f"q{q.shape} does not fit pages{k_pages.shape}: head_dim must match "
+                         f"and Hq must be a multiple of Hkv")
+
+
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: float | None = None,
                     impl: str = "auto", layer=None, **kwargs):
     """Decode attention over a paged KV cache.
@@ -59,17 +74,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
     the layer to read in place; block_tables int32 [B, max_pages_per_seq]; lengths int32
     [B] (0 allowed: the output row is zeros).
     """
-    if q.ndim != 3 or k_pages.ndim not in (4, 5) or k_pages.shape != v_pages.shape:
-        raise ValueError(f"paged_attention wants q [B, Hq, D] and k/v pages [Hkv, P, page, D] "
-                         f"(or [L, Hkv, P, page, D] with layer=); got q{q.shape} "
-                         f"k{k_pages.shape} v{v_pages.shape}")
-    if (k_pages.ndim == 5) != (layer is not None):
-        raise ValueError(f"layer={layer!r} goes with k/v pages of rank 5 [L, Hkv, P, page, D], "
-                         f"and only with them; got pages{k_pages.shape}")
-    hkv = k_pages.shape[-4]
-    if q.shape[-1] != k_pages.shape[-1] or q.shape[1] % hkv:
-        raise ValueError(f"q{q.shape} does not fit pages{k_pages.shape}: head_dim must match "
-                         f"and Hq must be a multiple of Hkv")
+    _check_pages("paged_attention", "[B, Hq, D]", q, k_pages, v_pages, layer)
     if block_tables.ndim != 2 or lengths.shape != (q.shape[0],):
         raise ValueError(f"block_tables must be [B, n] and lengths [B]; got "
                          f"{block_tables.shape} and {lengths.shape}")
@@ -96,17 +101,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     in page block_tables[s, t // page] at offset t % page. Hq % Hkv == 0. -> [T, Hq, D] in
     q's dtype. Extra keyword arguments (block sizes) go to the chosen implementation.
     """
-    if q.ndim != 3 or k_pages.ndim not in (4, 5) or k_pages.shape != v_pages.shape:
-        raise ValueError(f"ragged_paged_attention wants q [T, Hq, D] and k/v pages "
-                         f"[Hkv, P, page, D] (or [L, Hkv, P, page, D] with layer=); got "
-                         f"q{q.shape} k{k_pages.shape} v{v_pages.shape}")
-    if (k_pages.ndim == 5) != (layer is not None):
-        raise ValueError(f"layer={layer!r} goes with k/v pages of rank 5 [L, Hkv, P, page, D], "
-                         f"and only with them; got pages{k_pages.shape}")
-    hkv = k_pages.shape[-4]
-    if q.shape[-1] != k_pages.shape[-1] or q.shape[1] % hkv:
-        raise ValueError(f"q{q.shape} does not fit pages{k_pages.shape}: head_dim must match "
-                         f"and Hq must be a multiple of Hkv")
+    _check_pages("ragged_paged_attention", "[T, Hq, D]", q, k_pages, v_pages, layer)
     if block_tables.ndim != 2 or kv_lens.shape != (block_tables.shape[0],):
         raise ValueError(f"block_tables must be [S, W] and kv_lens [S]; got "
                          f"{block_tables.shape} and {kv_lens.shape}")
