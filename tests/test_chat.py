@@ -3,7 +3,8 @@ import json
 
 import pytest
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from bpe_tokenizer import small_bpe
+from tokenizers import Tokenizer
 
 from jaxllm import chat
 from jaxllm.tokenizer import HFTokenizer
@@ -51,14 +52,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def tokenizer_json():
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello there, answer briefly. you are helpful and four"] * 4,
-                            trainer)
-    return tok.to_str()
+    return small_bpe(SPECIALS).to_str()
 
 
 def _write(d, tokenizer_json, template, bos, eos, as_file):

@@ -11,8 +11,8 @@ import time
 import openai
 import pytest
 import uvicorn
+from bpe_tokenizer import small_bpe
 from flax import nnx
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import jaxllm
 from jaxllm import chat
@@ -40,13 +40,7 @@ TIMEOUT = 30.0
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello there, answer briefly. you are helpful and four"] * 4,
-                            trainer)
+    tok = small_bpe(SPECIALS)
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
@@ -295,14 +289,20 @@ def test_models_health_metrics(served):
     assert float(gen[0].split()[-1]) >= 4
 
 
+def _long_completion(served, n: int, stream: bool) -> http.client.HTTPConnection:
+    """A raw connection that has sent a greedy completion request of n tokens."""
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=TIMEOUT)
+    conn.request("POST", "/v1/completions", body=json.dumps({
+        "model": NAME, "prompt": PROMPT, "max_tokens": n, "temperature": 0,
+        "ignore_eos": True, "stream": stream}), headers={"Content-Type": "application/json"})
+    return conn
+
+
 def test_client_disconnect_aborts_the_stream(served):
     engine = served.aeng.engine
     before = _idle(engine)
     n = MAX_LEN - 16
-    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=TIMEOUT)
-    conn.request("POST", "/v1/completions", body=json.dumps({
-        "model": NAME, "prompt": PROMPT, "max_tokens": n, "temperature": 0,
-        "ignore_eos": True, "stream": True}), headers={"Content-Type": "application/json"})
+    conn = _long_completion(served, n, stream=True)
     r = conn.getresponse()
     assert r.status == 200
     got = 0
@@ -322,10 +322,7 @@ def test_client_disconnect_aborts_a_plain_request(served, monkeypatch):
     engine = served.aeng.engine
     before = _idle(engine)
     n = MAX_LEN - 16
-    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=TIMEOUT)
-    conn.request("POST", "/v1/completions", body=json.dumps({
-        "model": NAME, "prompt": PROMPT, "max_tokens": n, "temperature": 0,
-        "ignore_eos": True}), headers={"Content-Type": "application/json"})
+    conn = _long_completion(served, n, stream=False)
     deadline = time.monotonic() + TIMEOUT
     while engine.stats()["running"] == 0:  # it started
         assert time.monotonic() < deadline
