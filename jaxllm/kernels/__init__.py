@@ -2,7 +2,7 @@
 `ragged_paged_attention` (a serving step's mixed prefill and decode tokens over the paged
 KV cache), `decode_attention` (a few new tokens over a contiguous KV cache) and
 `decode_matmul` (a decode step's weight read with its norm, RoPE, cache write, SwiGLU or
-residual folded in).
+residual folded in) and `grouped_matmul` (one matmul per group of rows: MoE experts).
 
 `impl` names the implementation; "auto" takes the fastest one that runs here and takes
 the inputs. Which implementations exist and what each supports is `registry.py`: `pick`,
@@ -189,5 +189,28 @@ def decode_matmul(x, w, *, norm_scale=None, eps: float | None = None, residual=N
               k_cache=k_cache, v_cache=v_cache, zeros=zeros, **kwargs)
 
 
+def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, impl: str = "auto",
+                   **kwargs):
+    """One matmul per group of rows (the experts of an MoE layer).
+
+    lhs [M, K], its rows sorted by group: group g owns the group_sizes[g] rows after those
+    of groups 0 .. g-1 (empty groups allowed); rhs [G, K, N]; group_sizes int32 [G] with
+    sum <= M. out[m] = lhs[m] @ rhs[g] for row m of group g; rows past sum(group_sizes)
+    give zeros. -> [M, N] in `preferred_element_type` (default lhs's dtype), accumulated in
+    f32. Differentiable in lhs and rhs. As `jax.lax.ragged_dot`.
+    """
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"grouped_matmul wants lhs [M, K] and rhs [G, K, N]; got "
+                         f"lhs{lhs.shape} rhs{rhs.shape}")
+    if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype,
+                                                                   jnp.integer):
+        raise ValueError(f"group_sizes must be integers [G]=[{rhs.shape[0]}]; got "
+                         f"{group_sizes.dtype}{group_sizes.shape}")
+    if lhs.dtype != rhs.dtype:
+        raise ValueError(f"lhs and rhs dtypes differ: {lhs.dtype}, {rhs.dtype}")
+    fn = pick("gmm", impl, lhs, rhs, group_sizes).fn
+    return fn(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, **kwargs)
+
+
 __all__ = ["flash_attention", "paged_attention", "ragged_paged_attention", "decode_attention",
-           "decode_matmul", "pick", "names", "available"]
+           "decode_matmul", "grouped_matmul", "pick", "names", "available"]

@@ -164,3 +164,18 @@ def gemv_epilogue(y, dtype, *, residual, epilogue, positions, inv_freq, q_len, q
     k_cache = k_cache.at[rows, :, positions].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype))
     return q.astype(dtype), k_cache, v_cache
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):
+    """out[m] = lhs[m] @ rhs[g(m)], rows sorted by group: group g owns the group_sizes[g]
+    rows after those of groups 0 .. g-1; rows past sum(group_sizes) give zeros. Every
+    group's product over all rows, kept where the row belongs (a spec, not fast)."""
+    out_dtype = preferred_element_type or lhs.dtype
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.arange(lhs.shape[0])
+    group = jnp.searchsorted(ends, rows, side="right")  # G for rows past the last group
+    out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32)
+    for g in range(rhs.shape[0]):
+        y = jnp.dot(lhs, rhs[g], preferred_element_type=jnp.float32)
+        out = jnp.where((group == g)[:, None], y, out)
+    return out.astype(out_dtype)

@@ -7,6 +7,7 @@ Ops and their arguments (what `pick` and an entry's `check` receive as inputs):
   decode   q [B, S, Hq, D], k_cache [B, Hkv, T, D]             (kernels.decode_attention)
   ragged   q [T, Hq, D], k_pages [(L,) Hkv, P, page, D]        (kernels.ragged_paged_attention)
   matmul   x [M, K], w (out-major), epilogue                   (kernels.decode_matmul)
+  gmm      lhs [M, K], rhs [G, K, N], group_sizes [G]          (kernels.grouped_matmul)
 
 Targets are "module:function" strings, imported on first use, so importing jaxllm never
 imports Pallas or a backend the device cannot run. The dtype and head dim an entry
@@ -23,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 OPS = {"flash": "flash attention", "paged": "paged attention", "decode": "decode attention",
-       "matmul": "decode matmul", "ragged": "ragged paged attention"}
+       "matmul": "decode matmul", "ragged": "ragged paged attention",
+       "gmm": "grouped matmul"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,8 @@ IMPLS = (
     Impl("matmul", "xla", f"{_XLA}:decode_gemv"),
     Impl("matmul", "pallas_triton", f"{_PALLAS}.gemv_triton:decode_gemv",
          platforms=_INTERPRETED, check=f"{_PALLAS}.gemv_triton:unsupported_reason"),
+    Impl("gmm", "reference", f"{_REF}:grouped_matmul"),
+    Impl("gmm", "xla", f"{_XLA}:grouped_matmul"),
 )
 
 # The fastest correct implementation first (docs/performance.md). Flash: our Mosaic kernel
@@ -111,6 +115,7 @@ AUTO = (
     AutoOrder("ragged", None, ("reference",)),
     AutoOrder("matmul", "gpu", ("pallas_triton", "xla")),
     AutoOrder("matmul", None, ("xla",)),
+    AutoOrder("gmm", None, ("xla",)),
 )
 
 

@@ -78,3 +78,9 @@ def decode_gemv(x, w, *, norm_scale=None, eps=None, residual=None, epilogue="non
                         inv_freq=inv_freq, q_len=q_len, q_heads=q_heads, k_cache=k_cache,
                         v_cache=v_cache)
     return (*out, jnp.zeros((zeros,), jnp.int32)) if zeros else out
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):
+    """`jax.lax.ragged_dot`: on the GPU XLA lowers it to a padded dense product."""
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+                              preferred_element_type=preferred_element_type or lhs.dtype)
