@@ -11,7 +11,8 @@ The config's model with random weights (speed does not depend on them), bf16 on 
   (host arrays in, sampled ids out) and the device time of back-to-back steps, against the
   roofline of its bytes (every weight but the embedding, the head, the live K/V) at the read
   bandwidth measured in the same run (a reduction over a large array).
-- continuous vs static: --requests requests (prompt and output lengths uniform in
+- continuous vs static: (with inference.engine.decode_window > 1, first with one step a call,
+  then with decode windows) --requests requests (prompt and output lengths uniform in
   --prompt-len and --output-len, seeded, all there at the start, greedy, no EOS) through
   `Engine.generate`, and as static batches of --batch through `generate_ids` (compile
   excluded: each batch is compiled before it is timed; a batch runs to its longest output
@@ -22,6 +23,7 @@ The config's model with random weights (speed does not depend on them), bf16 on 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import time
@@ -36,7 +38,7 @@ from jaxllm import build_model, load_config
 from jaxllm.inference.engine import Engine
 from jaxllm.inference.generate import generate_ids
 from jaxllm.inference.requests import SamplingParams
-from jaxllm.inference.scheduler import Request, Scheduled
+from jaxllm.inference.scheduler import Request, Scheduled, Scheduler
 
 FULL = dict(config="configs/llama_1b.yaml", requests=512, batch=64, max_seqs=256,
             context="512:2048", prompt_len="32:2048", output_len="16:512", prefix_len=2048, prefix_requests=16)
@@ -77,11 +79,12 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
     lengths = rng.integers(context[0], context[1] + 1, batch)
     a = engine.scheduler.allocator
     scheduled = []
+    window = engine.runner.window_steps
     for i, n in enumerate(lengths):  # sequences holding n tokens; the last one is new
         req = Request(f"d{i}", [0] * int(n), SamplingParams(temperature=0), i)
         req.seq = a.allocate()
-        (slots,), _ = a.append([req.seq], [int(n)])
-        scheduled.append(Scheduled(req, int(n) - 1, 1, int(slots[-1]), True))
+        (slots,), _ = a.append([req.seq], [int(n) + window - 1])  # pages for a window too
+        scheduled.append(Scheduled(req, int(n) - 1, 1, int(slots[int(n) - 1]), True))
     b = engine._batch(scheduled)
     run = engine.runner
     for _ in range(3):
@@ -91,7 +94,7 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         t = time.perf_counter()
         np.asarray(run.run(b))
         walls.append(time.perf_counter() - t)
-    fn = run._compiled[b.tokens.shape[0]]
+    fn = run._compiled[("step", b.tokens.shape[0])]
     dev = jax.device_put(b.pack())
     k, v, out = fn(run.params, run.k, run.v, run.last, dev)
     jax.block_until_ready(out)
@@ -101,6 +104,17 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         k, v, out = fn(run.params, k, v, out, dev)
     jax.block_until_ready(out)
     device = (time.perf_counter() - t) / steps
+    per_window_step = None
+    if window > 1:  # the same rows as a decode window: the device time of one of its steps
+        b.window[:batch] = window
+        wfn, wdev = run._compiled[("window", b.tokens.shape[0])], jax.device_put(b.pack())
+        k, v, _, out = wfn(run.params, k, v, out, wdev)
+        jax.block_until_ready(out)
+        t = time.perf_counter()
+        for _ in range(steps // window + 1):
+            k, v, _, out = wfn(run.params, k, v, out, wdev)
+        jax.block_until_ready(out)
+        per_window_step = (time.perf_counter() - t) / ((steps // window + 1) * window)
     if profile_dir:  # the kernels of a few steps
         from benchmarks.decode import busy_ns, gpu_kernels
         with jax.profiler.trace(profile_dir):
@@ -121,9 +135,13 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         a.free(s.request.seq)
     roof = step_bytes(cfg, int(lengths.sum())) / bw
     wall = statistics.median(walls)
-    return {"case": f"decode step, batch {batch}, ctx {context[0]}-{context[1]}",
-            "ms": 1e3 * device, "wall ms": 1e3 * wall, "roofline ms": 1e3 * roof,
-            "x roofline": device / roof, "wall x roofline": wall / roof}
+    row = {"case": f"decode step, batch {batch}, ctx {context[0]}-{context[1]}",
+           "ms": 1e3 * device, "wall ms": 1e3 * wall, "roofline ms": 1e3 * roof,
+           "x roofline": device / roof, "wall x roofline": wall / roof}
+    if per_window_step is not None:
+        row[f"ms in a window of {window}"] = 1e3 * per_window_step
+        row["window x roofline"] = per_window_step / roof
+    return row
 
 
 def workload(n: int, prompt_len, output_len, vocab: int, seed: int = 0):
@@ -147,9 +165,11 @@ def continuous(engine: Engine, prompts, outputs) -> dict:
     after = engine.stats()
     steps = after["steps"] - before["steps"]
     host = {k: 1e3 * (after[k] - before[k]) / steps for k in ("dispatch_s", "wait_s", "collect_s")}
-    print(f"engine: {steps} steps; per step: dispatch {host['dispatch_s']:.2f} ms, wait "
+    print(f"engine: {steps} steps ({after['windows'] - before['windows']} decode windows of "
+          f"up to {engine.config.decode_window}); per step: dispatch {host['dispatch_s']:.2f} ms, wait "
           f"{host['wait_s']:.2f} ms, outputs {host['collect_s']:.2f} ms", flush=True)
-    return {"case": f"continuous batching (engine, {engine.config.max_num_seqs} seqs)",
+    return {"case": f"continuous batching (engine, {engine.config.max_num_seqs} seqs, "
+                    f"window {engine.config.decode_window})",
             "requests": len(prompts), "steps": steps,
             "output tok/s": n_out / total, "median E2E s": statistics.median(e2e),
             "p99 E2E s": float(np.percentile(e2e, 99)), "total s": total,
@@ -232,13 +252,26 @@ def main(argv=None):
         return
     prompts, outputs = workload(args.requests, span(args.prompt_len), span(args.output_len),
                                 min(cfg.model.vocab_size, 32000))
+    window = engine.config.decode_window
+    if window > 1:  # the same engine with one step a call (its windows compiled but unused)
+        engine.config = dataclasses.replace(engine.config, decode_window=1)
+        rows.append(continuous(engine, prompts, outputs))
+        print(rows[-1], flush=True)
+        engine.config = dataclasses.replace(engine.config, decode_window=window)
+        engine.scheduler = Scheduler(  # an empty prefix cache: the same prompts come again
+            num_pages=engine.num_pages, page_size=engine.config.page_size,
+            max_pages_per_seq=engine.max_pages_per_seq, max_num_seqs=engine.config.max_num_seqs,
+            max_num_batched_tokens=engine.config.max_num_batched_tokens,
+            prefix_caching=engine.config.prefix_caching)
     rows.append(continuous(engine, prompts, outputs))
     print(rows[-1], flush=True)
     del engine  # its page pool
     gc.collect()
     rows.append(static(params, prompts, outputs, args.batch))
     print(rows[-1], flush=True)
-    rows[-2]["x static"] = rows[-2]["output tok/s"] / rows[-1]["output tok/s"]
+    for r in rows:
+        if r["case"].startswith("continuous"):
+            r["x static"] = r["output tok/s"] / rows[-1]["output tok/s"]
     for caching in (True, False):
         rows.append(prefix_ttft(model, cfg, params, args.prefix_len, args.prefix_requests,
                                 caching, **engine_kw))

@@ -254,10 +254,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # the per-step token budget (prefill is chunked by it)
     prefix_caching: bool = True  # reuse full KV pages of a shared prompt prefix
     max_waiting: int = 1024  # queued requests beyond which new ones are refused (HTTP 429)
+    # decode steps run on the device in one call when every running request is decoding and
+    # no waiting one can be admitted (the host schedules once for them); 1: one step a call
+    decode_window: int = 8
 
     def __post_init__(self):
         _positive("inference.engine", self, ("page_size", "max_num_seqs",
-                                             "max_num_batched_tokens", "max_waiting"))
+                                             "max_num_batched_tokens", "max_waiting",
+                                             "decode_window"))
         if self.num_pages < 0:
             raise ConfigError(f"inference.engine.num_pages={self.num_pages} must be >= 0 "
                               f"(0 sizes the pool from free memory)")

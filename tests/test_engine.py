@@ -76,17 +76,18 @@ def _all_free(engine):
     assert int(np.abs(a._refs).sum()) == 0
 
 
-# (page size, pages in the pool, sequences a step, token budget, prefix caching)
-LAYOUTS = [(4, 24, 4, 16, True),  # a small pool: preemptions
-           (8, 64, 8, 32, False),
-           (16, 12, 3, 20, True)]
+# (page size, pages in the pool, sequences a step, token budget, prefix caching, decode window)
+LAYOUTS = [(4, 24, 4, 16, True, 4),  # a small pool: preemptions
+           (8, 64, 8, 32, False, 1),
+           (16, 12, 3, 20, True, 8)]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"page{x[0]}-pool{x[1]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"page{x[0]}-pool{x[1]}-w{x[5]}")
 def test_greedy_equals_generate_alone(setup, prompts, alone, layout):
-    page, pages, seqs, budget, prefix = layout
+    page, pages, seqs, budget, prefix, window = layout
     engine = _engine(setup, page_size=page, num_pages=pages, max_num_seqs=seqs,
-                     max_num_batched_tokens=budget, prefix_caching=prefix)
+                     max_num_batched_tokens=budget, prefix_caching=prefix,
+                     decode_window=window)
 
     @settings(max_examples=4, deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -100,6 +101,7 @@ def test_greedy_equals_generate_alone(setup, prompts, alone, layout):
     schedules()
     if pages == 24:
         assert engine.stats()["preemptions"] > 0
+    assert (engine.stats()["windows"] > 0) == (window > 1)
 
 
 def test_prefix_cache_hits_give_the_same_output(setup, alone, prompts):

@@ -7,7 +7,8 @@
 
 A pipeline of three parts, as vLLM v1 has it: the scheduler (inference/scheduler.py: token
 budget, chunked prefill, prefix cache, preemption) picks each step's tokens; the model
-runner (inference/runner.py: one compiled step per token bucket) runs them; the output
+runner (inference/runner.py: one compiled step per token bucket, and decode windows of
+several steps in one call when every running request is decoding) runs them; the output
 processing here turns sampled ids into text, applies stop ids and stop strings, and frees a
 finished request's pages at once. `AsyncEngine` (inference/async_engine.py, re-exported
 here) drives an engine from a thread for asyncio callers (the HTTP server), streaming each
@@ -93,7 +94,7 @@ class Engine:
         self.runner = ModelRunner(
             self.params, num_pages=self.num_pages, page_size=ecfg.page_size,
             max_num_seqs=ecfg.max_num_seqs, max_num_batched_tokens=ecfg.max_num_batched_tokens,
-            max_pages_per_seq=self.max_pages_per_seq)
+            max_pages_per_seq=self.max_pages_per_seq, window_steps=ecfg.decode_window)
         t0 = time.perf_counter()
         if warm_up:
             self.runner.warm_up()
@@ -104,7 +105,7 @@ class Engine:
         self._numbers = itertools.count()
         # host seconds scheduling + dispatching, waiting for the device, and processing outputs
         self.totals = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0, steps=0,
-                           dispatch_s=0.0, wait_s=0.0, collect_s=0.0)
+                           windows=0, dispatch_s=0.0, wait_s=0.0, collect_s=0.0)
 
     # ---- requests ----
     def check_request(self, prompt_ids, params: SamplingParams) -> None:
@@ -182,10 +183,15 @@ class Engine:
 
     def _dispatch(self):
         t0 = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return None
-        tokens = self.runner.run(self._batch(scheduled))
+        scheduled = self.scheduler.schedule_window(self.config.decode_window)
+        if scheduled:
+            tokens = self.runner.run_window(self._batch(scheduled))
+            self.totals["windows"] += 1
+        else:
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                return None
+            tokens = self.runner.run(self._batch(scheduled))
         self.scheduler.dispatched(scheduled)
         self.totals["steps"] += 1
         self.totals["dispatch_s"] += time.perf_counter() - t0
@@ -193,18 +199,19 @@ class Engine:
 
     def _collect(self, scheduled: list[Scheduled], tokens) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        tokens = np.asarray(tokens)  # waits for the step
+        tokens = np.asarray(tokens)  # waits for the step: [N], or [k, N] for a window
         now, outputs = time.perf_counter(), []
         self.totals["wait_s"] += now - t0
+        rows = tokens.T.tolist() if tokens.ndim == 2 else tokens[:, None].tolist()
         for i, s in enumerate(scheduled):
             if not s.sample:
                 continue
             req = s.request
-            req.pending -= 1
+            req.pending -= s.window
             live = self._live.get(req.request_id)
             if live is None or live.request is not req:  # aborted meanwhile
                 continue
-            outputs.append(self._append(live, int(tokens[i]), now))
+            outputs.append(self._append(live, rows[i][:s.window], now))
         self.scheduler.register(s.request for s in scheduled)
         self.totals["collect_s"] += time.perf_counter() - now
         return outputs
@@ -293,6 +300,7 @@ class Engine:
                                                    lengths)
         b.kv_lens[:n_seqs] = np.asarray(starts) + lengths
         b.sample_at[:n_seqs] = ends - 1
+        b.window[:n_seqs] = [s.window for s in scheduled]
         if previous:
             rows, from_slots = zip(*previous)
             b.from_previous[list(rows)] = from_slots
@@ -325,30 +333,32 @@ class Engine:
         if len(r.output) + r.pending < p.min_tokens:
             banned = self._banned(p)
             b.banned[i, :len(banned)] = banned
+            b.ban_steps[i] = p.min_tokens - len(r.output) - r.pending
 
-    def _append(self, live: _Live, token: int, now: float) -> RequestOutput:
-        """A sampled token: stop ids, the length limit, then its text and stop strings."""
+    def _append(self, live: _Live, tokens: list[int], now: float) -> RequestOutput:
+        """Sampled tokens, in order, each through the stop ids, the length limit, then its
+        text and stop strings; those after the one that finishes the request are dropped."""
         req, p = live.request, live.request.params
         if live.first_token_time is None:
             live.first_token_time = now
-        self.totals["generation_tokens"] += 1
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
-            return self._finish(live, "stop", now)  # the stop id is not part of the output
-        req.output.append(token)
-        req.tokens.append(token)
-        before = len(live.text)
-        live.text += live.decode([token])
-        if p.stop:  # a stop string that ends in the new text starts at most this far back
-            start = max(0, before - max(map(len, p.stop)) + 1)
-            cut = min((i for i in (live.text.find(s, start) for s in p.stop) if i >= 0),
-                      default=-1)
-            if cut >= 0:
-                live.text = live.text[:cut]
-                return self._finish(live, "stop", now)
-        if len(req.output) >= p.max_tokens:
-            return self._finish(live, "length", now)
-        if len(req.tokens) >= self.max_model_len:
-            return self._finish(live, "length", now)
+        stop_ids = p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self.eos_ids)
+        for token in tokens:
+            self.totals["generation_tokens"] += 1
+            if token in stop_ids:
+                return self._finish(live, "stop", now)  # the stop id is not in the output
+            req.output.append(token)
+            req.tokens.append(token)
+            before = len(live.text)
+            live.text += live.decode([token])
+            if p.stop:  # a stop string that ends in the new text starts at most this far back
+                start = max(0, before - max(map(len, p.stop)) + 1)
+                cut = min((i for i in (live.text.find(s, start) for s in p.stop) if i >= 0),
+                          default=-1)
+                if cut >= 0:
+                    live.text = live.text[:cut]
+                    return self._finish(live, "stop", now)
+            if len(req.output) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+                return self._finish(live, "length", now)
         return self._output(live, finished=False, reason=None, now=now)
 
     def _finish(self, live: _Live, reason: str, now: float) -> RequestOutput:

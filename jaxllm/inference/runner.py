@@ -6,10 +6,15 @@ chunks of many, in any mix), writes their K/V into the page pool, attends with
 end of its known tokens, with that request's own options. The pool is donated, so it is
 updated in place.
 
+A decode window runs several decode steps in one call: when every scheduled sequence has
+one token to run, sequence s runs window[s] steps back to back on the device, each taking
+the previous step's sample as its input, so the host's scheduling and dispatch are paid
+once for them all (as vLLM's multi-step scheduling does).
+
 Shapes are static: T is rounded up to a power of two (`token_buckets`), N is always
 `max_num_seqs` (padding sequences have no tokens) and the block tables are
-`max_pages_per_seq` wide, so the step compiles once per token bucket, all at start-up
-(`warm_up`), and never after.
+`max_pages_per_seq` wide, so the step compiles once per token bucket and the window once
+per bucket up to N rows, all at start-up (`warm_up`), and never after.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.inference.cache import RaggedPagedCache
+from jaxllm.inference.cache import RaggedPagedCache, token_slots
 from jaxllm.inference.params import DecodeParams
 from jaxllm.inference.sampling import sample_rows
 from jaxllm.inference.step import hidden_states, logits
@@ -46,8 +51,10 @@ class StepBatch:
     that samples its input has been read); block_tables [N, W], kv_lens [N], q_starts
     [N + 1]; per sequence: sample_at (the row whose logits it samples from), temperature,
     top_k, top_p, seed (uint32 [N, 2]), draw (the number of the token drawn, so a seeded
-    request draws the same whatever it is batched with) and banned ids [N, MAX_BANNED]
-    (vocab size: none). It travels to the device as one int32 buffer (`pack`)."""
+    request draws the same whatever it is batched with), banned ids [N, MAX_BANNED]
+    (vocab size: none) and ban_steps (a window's steps that ban them: min_tokens) and, for a
+    decode window, window [N] (the steps each sequence runs). It travels to the device as one
+    int32 buffer (`pack`)."""
     tokens: np.ndarray
     positions: np.ndarray
     slots: np.ndarray
@@ -62,6 +69,8 @@ class StepBatch:
     seed: np.ndarray
     draw: np.ndarray
     banned: np.ndarray
+    ban_steps: np.ndarray
+    window: np.ndarray
 
     def pack(self) -> np.ndarray:
         return np.concatenate([np.ascontiguousarray(getattr(self, f.name)).view(np.int32)
@@ -85,36 +94,81 @@ def unpack(buf, layout) -> StepBatch:
     return StepBatch(**fields)
 
 
-def _step(params: DecodeParams, k_pool, v_pool, previous, buf, layout):
-    b = unpack(buf, layout)
-    tokens = jnp.where(b.from_previous >= 0, previous[jnp.maximum(b.from_previous, 0)],
-                       b.tokens)
+def _sample(params: DecodeParams, k_pool, v_pool, tokens, b: StepBatch, banned):
+    """The tokens through the model, writing their K/V; one sample per sequence."""
     cache = RaggedPagedCache(k_pool, v_pool, b.slots, b.block_tables, b.kv_lens, b.q_starts)
     h, cache = hidden_states(params, tokens[None], b.positions[None], cache)
     out = logits(params, h[:, b.sample_at])[0]  # (N, V) float32
     rows = jnp.arange(out.shape[0])[:, None]
-    out = out.at[rows, b.banned].set(-jnp.inf, mode="drop")
+    out = out.at[rows, banned].set(-jnp.inf, mode="drop")
     keys = jax.vmap(lambda s, i: jax.random.fold_in(
         jax.random.fold_in(jax.random.key(s[0]), s[1]), i))(b.seed, b.draw)
     return cache.k, cache.v, sample_rows(out, keys, b.temperature, b.top_k, b.top_p)
 
 
+def _inputs(b: StepBatch, previous):
+    return jnp.where(b.from_previous >= 0, previous[jnp.maximum(b.from_previous, 0)], b.tokens)
+
+
+def _step(params: DecodeParams, k_pool, v_pool, previous, buf, layout):
+    b = unpack(buf, layout)
+    banned = jnp.where(b.ban_steps[:, None] > 0, b.banned, params.cfg.vocab_size)
+    return _sample(params, k_pool, v_pool, _inputs(b, previous), b, banned)
+
+
+def _window(params: DecodeParams, k_pool, v_pool, previous, buf, layout, steps: int):
+    """`steps` decode steps; token row i is sequence i's one token. Sequence s advances
+    window[s] of them (its later ones write nothing and are not read) -> the pools, the
+    samples [steps, N] and each sequence's last sample [N]."""
+    b = unpack(buf, layout)
+    t, n = b.tokens.shape[0], b.kv_lens.shape[0]
+    seq_of_row = jnp.minimum(jnp.arange(t), n - 1)
+    row_window = jnp.where(jnp.arange(t) < b.q_starts[-1], b.window[seq_of_row], 0)
+    tables = b.block_tables[seq_of_row]
+
+    def body(carry, j):
+        k_pool, v_pool, tokens = carry
+        pos = b.positions + j
+        live = j < row_window
+        # a row past its window writes to the one-past-the-end slot, which is dropped
+        slots = token_slots(tables, jnp.where(live, pos, -1)[:, None], k_pool.shape[-2],
+                            k_pool.shape[-3])[:, 0]
+        advance = jnp.minimum(j, jnp.maximum(b.window - 1, 0))
+        bj = dataclasses.replace(b, positions=jnp.where(live, pos, b.positions), slots=slots,
+                                 kv_lens=jnp.where(b.kv_lens > 0, b.kv_lens + advance, 0),
+                                 draw=b.draw + j)
+        banned = jnp.where(j < b.ban_steps[:, None], b.banned, params.cfg.vocab_size)
+        k_pool, v_pool, sampled = _sample(params, k_pool, v_pool, tokens, bj, banned)
+        return (k_pool, v_pool, sampled[seq_of_row]), sampled
+
+    (k_pool, v_pool, _), samples = jax.lax.scan(
+        body, (k_pool, v_pool, _inputs(b, previous)), jnp.arange(steps))
+    last = samples[jnp.maximum(b.window - 1, 0), jnp.arange(n)]
+    return k_pool, v_pool, samples, last
+
+
 class ModelRunner:
-    """The page pool [L, Hkv, num_pages, page_size, D] and the compiled step per bucket."""
+    """The page pool [L, Hkv, num_pages, page_size, D] and the compiled step per bucket
+    (and, with window_steps > 1, the decode window per bucket of at most N rows)."""
 
     def __init__(self, params: DecodeParams, *, num_pages: int, page_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int):
+                 max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
+                 window_steps: int = 1):
         c = params.cfg
         self.params = params
         self.num_pages, self.page_size = num_pages, page_size
         self.max_num_seqs, self.max_pages_per_seq = max_num_seqs, max_pages_per_seq
         self.buckets = token_buckets(max_num_batched_tokens, min(16, max_num_batched_tokens))
+        self.window_steps = window_steps
+        self.window_buckets = (self.buckets[:self.buckets.index(self.bucket(max_num_seqs)) + 1]
+                               if window_steps > 1 else ())
         shape = (params.n_layers, c.n_kv_heads, num_pages, page_size, c.resolved_head_dim)
         self.k = jnp.zeros(shape, as_dtype(c.dtype))
         self.v = jnp.zeros(shape, as_dtype(c.dtype))
         self.last = jnp.zeros(max_num_seqs, jnp.int32)  # the latest step's samples
         self._jit = jax.jit(_step, donate_argnums=(1, 2), static_argnums=(5,))
-        self._compiled: dict[int, object] = {}
+        self._jit_window = jax.jit(_window, donate_argnums=(1, 2), static_argnums=(5, 6))
+        self._compiled: dict[tuple[str, int], object] = {}
 
     @property
     def pool_bytes(self) -> int:
@@ -138,31 +192,46 @@ class ModelRunner:
             sample_at=np.zeros(n, np.int32), temperature=np.zeros(n, np.float32),
             top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
             seed=np.zeros((n, 2), np.uint32), draw=np.zeros(n, np.int32),
-            banned=np.full((n, MAX_BANNED), self.params.cfg.vocab_size, np.int32))
+            banned=np.full((n, MAX_BANNED), self.params.cfg.vocab_size, np.int32),
+            ban_steps=np.zeros(n, np.int32), window=np.zeros(n, np.int32))
 
-    def _compile(self, batch: StepBatch):
+    def _compile(self, key: tuple[str, int]):
+        batch = self.empty_batch(key[1])
         buf = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32)
-        return self._jit.lower(self.params, self.k, self.v, self.last, buf,
-                               batch.layout()).compile()
+        args = (self.params, self.k, self.v, self.last, buf, batch.layout())
+        if key[0] == "window":
+            return self._jit_window.lower(*args, self.window_steps).compile()
+        return self._jit.lower(*args).compile()
 
     def warm_up(self, threads: int = 4) -> None:
-        """Compile the step for every token bucket (several at once), then run each once."""
-        def compile_one(t):
-            return t, self._compile(self.empty_batch(t))
-
+        """Compile the step for every token bucket and the window for every bucket of at most
+        N rows (several at once), then run each once."""
+        keys = [("step", t) for t in self.buckets] + [("window", t) for t in self.window_buckets]
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            self._compiled.update(pool.map(compile_one, self.buckets))
-        for t in self.buckets:  # first runs (allocations, autotuning) before timing starts
-            self.run(self.empty_batch(t))
+            self._compiled.update(zip(keys, pool.map(self._compile, keys)))
+        for kind, t in keys:  # first runs (allocations, autotuning) before timing starts
+            (self.run_window if kind == "window" else self.run)(self.empty_batch(t))
         jax.block_until_ready(self.last)
+
+    def _fn(self, key: tuple[str, int]):
+        fn = self._compiled.get(key)
+        if fn is None:  # not warmed up (tests): compile on first use
+            fn = self._compiled[key] = self._compile(key)
+        return fn
 
     def run(self, batch: StepBatch) -> jax.Array:
         """Dispatch one step (it runs after the steps before it); returns the sampled token
         of every sequence slot, int32 [N] on the device, also kept as `last`."""
-        t = batch.tokens.shape[0]
-        fn = self._compiled.get(t)
-        if fn is None:  # not warmed up (tests): compile on first use
-            fn = self._compiled[t] = self._compile(batch)
+        fn = self._fn(("step", batch.tokens.shape[0]))
         # the compiled step takes the dynamic arguments only (the layout is baked in)
         self.k, self.v, self.last = fn(self.params, self.k, self.v, self.last, batch.pack())
         return self.last
+
+    def run_window(self, batch: StepBatch) -> jax.Array:
+        """Dispatch a decode window (every sequence one token row, `batch.window` its steps);
+        returns the samples int32 [window_steps, N] on the device; `last` holds each
+        sequence's last one."""
+        fn = self._fn(("window", batch.tokens.shape[0]))
+        self.k, self.v, samples, self.last = fn(self.params, self.k, self.v, self.last,
+                                                batch.pack())
+        return samples

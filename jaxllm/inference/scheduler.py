@@ -8,6 +8,11 @@ requests are admitted, first come first served, while the budget, the sequence l
 (`max_num_seqs`) and the free pages allow; with prefix caching a new request starts after
 the cached pages of its prompt.
 
+When every running request is decoding and no waiting one could be admitted, a step can be
+a decode window (`schedule_window`): each request runs up to k tokens on the device, each
+the sample of the one before, with pages reserved for all of them, so the host schedules
+once for k tokens.
+
 When a running request needs a page and none is free, the newest running request is
 preempted: its pages are freed and it goes back to the front of the queue with its
 generated tokens kept, to be recomputed (prompt + output) when there is room. Nothing is
@@ -40,8 +45,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache (first admission)
     admitted: bool = False
     preemptions: int = 0
-    # tokens sampled for it by dispatched steps but not yet on the host (at most one when a
-    # step is built: the next step feeds it from the device at position len(tokens))
+    # tokens sampled for it by dispatched steps but not yet on the host (the next step feeds
+    # the last of them from the device at position len(tokens) + pending - 1)
     pending: int = 0
     sample_slot: int = -1  # its sequence slot in the step that samples the pending token
     seed_words: tuple[int, int] = (0, 0)  # its sampling seed as two uint32 words
@@ -72,12 +77,14 @@ class Request:
 class Scheduled:
     """A request's share of a step: `n` tokens from position `start`, at pool `slots` (an int
     for one token);
-    `sample`: the step reaches the end of its known tokens, so it draws the next one."""
+    `sample`: the step reaches the end of its known tokens, so it draws the next one;
+    `window`: in a decode window, the tokens it runs and draws (n == 1: the first of them)."""
     request: Request
     start: int
     n: int
     slots: np.ndarray
     sample: bool
+    window: int = 1
 
 
 class Scheduler:
@@ -157,13 +164,43 @@ class Scheduler:
             budget -= n
         return out
 
+    def schedule_window(self, k: int) -> list[Scheduled] | None:
+        """A decode window of up to k steps, or None when this step cannot be one: some
+        running request has more than one token to compute, a waiting request could be
+        admitted, or the free pages do not hold every
+        request's window (then `schedule` runs a step, preempting as it must)."""
+        if k < 2 or not self.running or (self.waiting
+                                         and len(self.running) < self.max_num_seqs):
+            return None
+        rows, pages = [], 0
+        a = self.allocator
+        for req in sorted(self.running, key=lambda r: r.number):
+            if req.pending and not req.wants_more:
+                continue  # its pending token is its last
+            p = req.params
+            done = len(req.output) + req.pending
+            if req.to_compute != 1 or req.seq is None:
+                return None
+            w = min(k, p.max_tokens - done)
+            have = a.length(req.seq)
+            pages += -(-(have + w) // a.page_size) - -(-have // a.page_size)
+            rows.append((req, w))
+        if not rows or pages > a.num_free:
+            return None
+        out = []
+        for req, w in rows:
+            (slots,), copies = a.append([req.seq], [w])
+            assert not copies, "the engine never writes a shared page"
+            out.append(Scheduled(req, req.computed, 1, int(slots[0]), True, w))
+        return out
+
     def dispatched(self, scheduled: list[Scheduled]) -> None:
         """The step is on its way: its tokens count as computed (the device runs steps in
-        order), and each sampling request has a token pending."""
+        order), and each sampling request has its tokens pending."""
         for i, s in enumerate(scheduled):
-            s.request.computed = s.start + s.n
+            s.request.computed = s.start + s.n + s.window - 1
             if s.sample:
-                s.request.pending += 1
+                s.request.pending += s.window
                 s.request.sample_slot = i
 
     def register(self, requests) -> None:
