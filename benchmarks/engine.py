@@ -23,8 +23,11 @@ The config's model with random weights (speed does not depend on them), bf16 on 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import dataclasses
 import gc
+import pstats
 import statistics
 import time
 
@@ -208,6 +211,22 @@ def prefix_ttft(model, cfg, params, prefix_len: int, n: int, caching: bool,
             "cached tokens": engine.stats()["prefix_hits"]}
 
 
+@contextlib.contextmanager
+def host_profile(on: bool, title: str, top: int = 18):
+    """cProfile the block when `on`; print its functions by own time."""
+    if not on:
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        print(f"host profile: {title}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config")
@@ -222,6 +241,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a tiny CPU-sized run (smoke test)")
     ap.add_argument("--profile", metavar="DIR", help="trace the decode step; print its kernels")
     ap.add_argument("--only-step", action="store_true", help="the decode step alone")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="profile the host (cProfile) in the last continuous run and the "
+                         "prefix-cache run; print the top functions")
     ap.add_argument("overrides", nargs="*")
     add_args(ap, rounds=None)
     args = ap.parse_args(argv)
@@ -263,7 +285,8 @@ def main(argv=None):
             max_pages_per_seq=engine.max_pages_per_seq, max_num_seqs=engine.config.max_num_seqs,
             max_num_batched_tokens=engine.config.max_num_batched_tokens,
             prefix_caching=engine.config.prefix_caching)
-    rows.append(continuous(engine, prompts, outputs))
+    with host_profile(args.host_profile, "continuous batching"):
+        rows.append(continuous(engine, prompts, outputs))
     print(rows[-1], flush=True)
     del engine  # its page pool
     gc.collect()
@@ -273,8 +296,9 @@ def main(argv=None):
         if r["case"].startswith("continuous"):
             r["x static"] = r["output tok/s"] / rows[-1]["output tok/s"]
     for caching in (True, False):
-        rows.append(prefix_ttft(model, cfg, params, args.prefix_len, args.prefix_requests,
-                                caching, **engine_kw))
+        with host_profile(args.host_profile and caching, "prefix caching on"):
+            rows.append(prefix_ttft(model, cfg, params, args.prefix_len, args.prefix_requests,
+                                    caching, **engine_kw))
         print(rows[-1], flush=True)
         gc.collect()
     rows[-2]["x off"] = rows[-1]["median TTFT ms"] / rows[-2]["median TTFT ms"]
