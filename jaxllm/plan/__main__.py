@@ -1,5 +1,5 @@
 """python -m jaxllm.plan --config X [--hardware NAME] [--devices N] [--measured FILE]
-[--plot DIR] [--batch B ...] [--prompt-len S] [section.key=value ...]"""
+[--plot DIR] [--batch B,B,...] [--prompt-len S] [section.key=value ...]"""
 from __future__ import annotations
 
 import argparse
@@ -16,8 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--devices", type=int, default=8, help="GPUs in all (8 per host)")
     ap.add_argument("--measured", help="YAML/JSON file of measured ceilings (flops, hbm_bw, ...)")
     ap.add_argument("--plot", metavar="DIR", help="write the figures as PNGs into DIR")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64],
-                    help="decode batch sizes for TPOT (default 1 32 64)")
+    ap.add_argument("--batch", default="1,32,64",
+                    help="decode batch sizes for TPOT, comma-separated (default 1,32,64)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens for TTFT (default train.seq_len)")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallelism.tp=8")
     return ap
@@ -29,7 +29,12 @@ def main(argv=None) -> int:
     from jaxllm.plan.report import plan, render
     try:
         cfg = load_config(args.config, args.overrides)
-        p = plan(cfg, args.hardware, args.devices, measured=args.measured, batches=args.batch,
+        try:
+            batches = [int(b) for b in args.batch.split(",")]
+        except ValueError:
+            raise ValueError(f"--batch {args.batch!r} must be comma-separated integers, "
+                             f"e.g. 1,32,64") from None
+        p = plan(cfg, args.hardware, args.devices, measured=args.measured, batches=batches,
                  prompt_len=args.prompt_len)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -290,3 +290,22 @@ def inference_memory(cfg: Config, hbm: float, tp: int, context: int) -> Inferenc
     kv = kv_bytes_per_token(m) / kv_split
     free = hbm * cfg.inference.engine.memory_fraction - weights
     return InferenceMemory(weights, kv, free, context)
+
+
+def compiled_peak(stats: dict) -> float:
+    """Peak bytes per device of a compiled step from `sharding.memory.step_memory`'s figures:
+    arguments + temporaries + the outputs that do not reuse a donated argument."""
+    return stats["argument"] + stats["temp"] + stats["output"] - stats["alias"]
+
+
+def describe_vs_compiled(cfg: Config, stats: dict, n_devices: int, platform: str) -> str:
+    """The planner's figures beside the compiled step's (the dry run's last lines)."""
+    from jaxllm.sharding.mesh import mesh_shape
+
+    mem = train_memory(cfg, mesh_shape(cfg.parallelism, n_devices), platform=platform)
+    MB = 1 << 20
+    parts = ", ".join(f"{k} {v / MB:.2f}" for k, v in mem.as_dict().items() if k != "total")
+    peak = compiled_peak(stats)
+    return (f"planner (python -m jaxllm.plan): {mem.total / MB:.2f} MB per device ({parts}); "
+            f"compiled peak {peak / MB:.2f} MB (arguments + temporaries + unaliased outputs); "
+            f"planned / compiled {mem.total / peak:.3f}")

@@ -5,8 +5,8 @@ text report `python -m jaxllm.plan` prints.
     p.train_memory.total, p.step_s, p.bound, p.ttft_s, p.tpot_s[32], p.max_batch
 
 Training uses the config's `parallelism:` layout over `devices`; inference a model replica
-over `parallelism.tp` devices, decoding `batches` sequences at a context of the prompt
-plus `inference.max_new_tokens`.
+over `parallelism.tp` devices, decoding `batches` sequences at the mean context of a
+request: the prompt plus half of `inference.max_new_tokens`.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def plan(cfg: Config, hardware: str | Hardware = "h200", devices: int = 8, *,
     point = train_point(cfg, sizes, mem, sum(c.seconds for c in colls))
     tp = sizes["tp"]
     prompt = prompt_len or t.seq_len
-    context = prompt + cfg.inference.max_new_tokens
+    context = prompt + cfg.inference.max_new_tokens // 2  # the mean context while decoding
     batches = tuple(sorted(set(int(b) for b in batches)))
     if not batches or batches[0] <= 0:
         raise ValueError(f"batches={batches} must be positive decode batch sizes")
