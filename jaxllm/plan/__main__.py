@@ -18,6 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", metavar="DIR", help="write the figures as PNGs into DIR")
     ap.add_argument("--batch", default="1,32,64",
                     help="decode batch sizes for TPOT, comma-separated (default 1,32,64)")
+    ap.add_argument("--microbatches", type=int,
+                    help="microbatches per step (pipeline parallelism; default "
+                         "train.microbatches, else 1)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens for TTFT (default train.seq_len)")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallelism.tp=8")
     return ap
@@ -35,7 +38,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--batch {args.batch!r} must be comma-separated integers, "
                              f"e.g. 1,32,64") from None
         p = plan(cfg, args.hardware, args.devices, measured=args.measured, batches=batches,
-                 prompt_len=args.prompt_len)
+                 prompt_len=args.prompt_len, microbatches=args.microbatches)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -71,7 +71,7 @@ def links(sizes: dict[str, int], hw: Hardware) -> dict[str, str]:
 
 
 def train_collectives(cfg: Config, sizes: dict[str, int], hw: Hardware,
-                      states: StateBytes, psi_tp: float) -> list[Collective]:
+                      states: StateBytes, psi_tp: float, micro: int = 1) -> list[Collective]:
     """Every collective of one training step. `psi_tp`: parameter bytes per device after
     the model-parallel (tp, ep) split only, i.e. what the data-parallel axes move."""
     m, t, p = cfg.model, cfg.train, cfg.parallelism
@@ -100,8 +100,7 @@ def train_collectives(cfg: Config, sizes: dict[str, int], hw: Hardware,
         add(("dp",), "all-gather", psi_tp / sizes["fsdp"], 1, "updated parameters")
     add(("cp", "ep"), "all-reduce", states.grads, 1, "gradients (replicated over the axis)")
 
-    rows, seq = local_tokens(cfg, sizes)
-    micro = max(1, getattr(t, "microbatches", 1))
+    rows, seq = local_tokens(cfg, sizes, micro=micro)
     c = DTYPE_BYTES[m.dtype]
     layers = math.ceil(m.n_layers / sizes["pp"])
     act = rows * seq * m.d_model * c  # one residual-stream activation per device
@@ -122,7 +121,9 @@ def train_collectives(cfg: Config, sizes: dict[str, int], hw: Hardware,
         ring = (sizes["cp"] - 1) * layers * micro
         add(("cp",), "ppermute", kv, (forwards + 2) * ring, "key/value blocks and gradients")
     out += moe_collectives(cfg, sizes, hw, rows * seq * micro, link)
-    out += pipeline_collectives(cfg, sizes, hw, act, micro, link)
+    # between stages each tp rank sends its own shard with sequence parallelism, else all
+    sent = act / sizes["tp"] if p.sequence_parallel else act
+    out += pipeline_collectives(cfg, sizes, hw, sent, micro, link)
     return out
 
 

@@ -101,12 +101,18 @@ def state_bytes(cfg: Config, rules: Rules) -> StateBytes:
 
 # -- activations -----------------------------------------------------------------------------
 
-def local_tokens(cfg: Config, sizes: dict[str, int], batch: int | None = None) -> tuple[int, int]:
+def microbatches(cfg: Config, override: int | None = None) -> int:
+    """Microbatches per step: `override`, else train.microbatches (pipeline parallelism),
+    else 1."""
+    return max(1, override if override is not None else getattr(cfg.train, "microbatches", 1))
+
+
+def local_tokens(cfg: Config, sizes: dict[str, int], batch: int | None = None,
+                 micro: int = 1) -> tuple[int, int]:
     """(rows, seq) of one microbatch on one device."""
     t = cfg.train
     batch = batch or t.batch_size
-    rows = batch / (sizes["dp"] * sizes["fsdp"] * sizes["ep"])
-    rows /= max(1, getattr(t, "microbatches", 1))
+    rows = batch / (sizes["dp"] * sizes["fsdp"] * sizes["ep"]) / micro
     return max(1, int(rows)), t.seq_len // sizes["cp"]
 
 
@@ -208,20 +214,22 @@ class TrainMemory:
 
 def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
                  zero_stage: int | None = None, remat: str | None = None,
-                 batch: int | None = None) -> TrainMemory:
-    """Per-device memory of a training step of `cfg` on a mesh of `sizes`."""
+                 batch: int | None = None, micro: int | None = None) -> TrainMemory:
+    """Per-device memory of a training step of `cfg` on a mesh of `sizes` (`micro`:
+    microbatches, default `microbatches(cfg)`)."""
     m, t, p = cfg.model, cfg.train, cfg.parallelism
+    micro = microbatches(cfg, micro)
     zero_stage = t.zero_stage if zero_stage is None else zero_stage
     remat = remat or m.remat
     rules = Rules(tuple(sizes.items()), zero_stage, p.sequence_parallel)
     states = state_bytes(cfg, rules)
-    rows, seq = local_tokens(cfg, sizes, batch)
+    rows, seq = local_tokens(cfg, sizes, batch, micro)
     tokens = rows * seq
     impl = resolved_attention_impl(m, platform)
     kv_len = t.seq_len  # ring / all-gather attention sees every key block
     per_layer = saved_per_token(m, sizes, kv_len, impl, remat, p.sequence_parallel)
     layers = math.ceil(m.n_layers / sizes["pp"])
-    acts = layers * tokens * per_layer * pipeline_in_flight(cfg, sizes["pp"])
+    acts = layers * tokens * per_layer * pipeline_in_flight(cfg, sizes["pp"], micro)
     # the layer being differentiated: its cotangents, and under remat its recomputed
     # intermediates, in units of one layer's full set
     acts += BACKWARD_WORKING_SET[remat] * tokens * saved_per_token(
@@ -230,7 +238,7 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
         acts += layers * tokens * ring_saved_per_token(m, sizes)
     vocab = m.vocab_size / (sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else 1)
     logits = 3 * 4 * tokens * vocab
-    batch_bytes = 2 * 4 * rows * seq * max(1, getattr(t, "microbatches", 1))
+    batch_bytes = 2 * 4 * rows * seq * micro
     # the embedding's and head's gradients are made whole four times over: the head's
     # matmul, the embedding's scatter-add, their sum when tied or their transposes
     grads = states.grads_live + 3 * states.grads_unstacked
@@ -238,12 +246,11 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
                        batch_bytes)
 
 
-def pipeline_in_flight(cfg: Config, pp: int) -> int:
+def pipeline_in_flight(cfg: Config, pp: int, micro: int) -> int:
     """Microbatches whose activations a pipeline stage holds at once: 1 without pp; with
     it, pp for 1F1B and every microbatch for GPipe (`parallelism.pp_schedule`)."""
     if pp == 1:
         return 1
-    micro = max(1, getattr(cfg.train, "microbatches", 1))
     schedule = getattr(cfg.parallelism, "pp_schedule", "1f1b")
     return micro if schedule == "gpipe" else min(pp, micro)
 

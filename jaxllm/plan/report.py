@@ -18,8 +18,9 @@ from jaxllm.config import Config, ConfigError
 from jaxllm.plan.comm import Collective, train_collectives
 from jaxllm.plan.flops import TrainFlops, train_flops
 from jaxllm.plan.hardware import Hardware, get_hardware
-from jaxllm.plan.memory import (InferenceMemory, StateBytes, TrainMemory, inference_memory,
+from jaxllm.plan.memory import (InferenceMemory, TrainMemory, inference_memory,
                                 kv_bytes_per_token, state_bytes, train_memory)
+from jaxllm.plan.memory import microbatches as resolve_microbatches
 from jaxllm.plan.roofline import Point, decode_point, prefill_point, train_point
 from jaxllm.sharding.mesh import mesh_shape
 from jaxllm.sharding.rules import Rules
@@ -44,6 +45,7 @@ class Plan:
     decode: dict[int, Point]
     inference_memory: InferenceMemory
     batches: tuple[int, ...] = field(default=DEFAULT_BATCHES)
+    microbatches: int = 1
 
     # -- training ----------------------------------------------------------------------
     @property
@@ -101,9 +103,10 @@ class Plan:
 
 def plan(cfg: Config, hardware: str | Hardware = "h200", devices: int = 8, *,
          measured: str | None = None, batches=DEFAULT_BATCHES, prompt_len: int | None = None,
-         platform: str = "gpu") -> Plan:
+         platform: str = "gpu", microbatches: int | None = None) -> Plan:
     """Memory, FLOPs, roofline times and communication of `cfg` on `devices` GPUs of
-    `hardware` (a name of `HARDWARE`, or a Hardware; `measured`: a ceilings file)."""
+    `hardware` (a name of `HARDWARE`, or a Hardware; `measured`: a ceilings file;
+    `microbatches`: per step, default train.microbatches where the config has it, else 1)."""
     if devices <= 0:
         raise ValueError(f"devices={devices} must be positive")
     hw = get_hardware(hardware, measured)
@@ -113,12 +116,16 @@ def plan(cfg: Config, hardware: str | Hardware = "h200", devices: int = 8, *,
     if t.batch_size % n_data:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by the "
                           f"data-parallel size dp x fsdp x ep = {n_data}")
-    mem = train_memory(cfg, sizes, platform=platform)
+    micro = resolve_microbatches(cfg, microbatches)
+    if t.batch_size % (n_data * micro):
+        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by the "
+                          f"data-parallel size {n_data} x {micro} microbatches")
+    mem = train_memory(cfg, sizes, platform=platform, micro=micro)
     rules = Rules(tuple(sizes.items()), t.zero_stage, cfg.parallelism.sequence_parallel)
     states = state_bytes(cfg, rules)
     psi_tp = _model_parallel_bytes(cfg, sizes)
-    colls = tuple(train_collectives(cfg, sizes, hw, states, psi_tp))
-    point = train_point(cfg, sizes, mem, sum(c.seconds for c in colls))
+    colls = tuple(train_collectives(cfg, sizes, hw, states, psi_tp, micro))
+    point = train_point(cfg, sizes, mem, sum(c.seconds for c in colls), micro)
     tp = sizes["tp"]
     prompt = prompt_len or t.seq_len
     context = prompt + cfg.inference.max_new_tokens // 2  # the mean context while decoding
@@ -128,7 +135,7 @@ def plan(cfg: Config, hardware: str | Hardware = "h200", devices: int = 8, *,
     return Plan(cfg, hw, devices, sizes, mem, train_flops(m, t.batch_size, t.seq_len), colls,
                 point, prompt, context, prefill_point(cfg, 1, prompt, tp),
                 {b: decode_point(cfg, b, context, tp) for b in batches},
-                inference_memory(cfg, hw.hbm, tp, context), batches)
+                inference_memory(cfg, hw.hbm, tp, context), batches, micro)
 
 
 def _model_parallel_bytes(cfg: Config, sizes: dict[str, int]) -> float:

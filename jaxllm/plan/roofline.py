@@ -53,20 +53,19 @@ class Point:
         return max(terms, key=terms.get)
 
 
-def bubble_fraction(cfg: Config, pp: int) -> float:
+def bubble_fraction(cfg: Config, pp: int, micro: int) -> float:
     if pp == 1:
         return 0.0
-    micro = max(1, getattr(cfg.train, "microbatches", 1))
     return (pp - 1) / (micro * getattr(cfg.parallelism, "pp_repeats", 1))
 
 
-def train_point(cfg: Config, sizes: dict[str, int], mem: TrainMemory, comm_s: float) -> Point:
+def train_point(cfg: Config, sizes: dict[str, int], mem: TrainMemory, comm_s: float,
+                micro: int = 1) -> Point:
     """The training step on one device."""
     m, t = cfg.model, cfg.train
     n = math.prod(sizes.values())
     fl = train_flops(m, t.batch_size, t.seq_len)
-    flops = fl.hardware_per_step / n * (1 + bubble_fraction(cfg, sizes["pp"]))
-    micro = max(1, getattr(t, "microbatches", 1))
+    flops = fl.hardware_per_step / n * (1 + bubble_fraction(cfg, sizes["pp"], micro))
     weights = 3 * micro * weight_bytes(m) / (sizes["tp"] * sizes["pp"])
     optimizer = 2 * mem.params + mem.grads + 2 * mem.opt_state  # read all; write p, m, v
     acts = 2 * mem.activations
