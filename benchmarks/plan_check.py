@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/plan_check.py --cpu [--configs NAME ...]   # memory sweep
     PYTHONPATH=. python benchmarks/plan_check.py --gpu [--config configs/llama_1b.yaml]
+        [--batches 1 32 64] [--prompt-len 1024] [--new-tokens 128] [--quick]
 
 --cpu compiles the train step of a tiny model on 8 simulated CPU devices for every layout
 of CONFIGS (dp, fsdp, ZeRO 0-3, tp, sequence parallel, cp; remat none / full / dots; a few
@@ -82,18 +83,17 @@ def cpu_sweep(names: list[str]) -> list[dict]:
     return rows
 
 
-def measure_ceilings(path: str, base: str) -> None:
-    """A bf16 8192^3 matmul's FLOP/s and an HBM copy's bytes/s (read + write) on device 0."""
+def measure_ceilings(path: str, base: str, n: int = 8192, copy_bytes: int = 4 << 30) -> None:
+    """A bf16 n^3 matmul's FLOP/s and an HBM copy's bytes/s (read + write) on device 0."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.common import time_fn
     from jaxllm.plan.hardware import save_measured
 
-    n = 8192
     a = jnp.ones((n, n), jnp.bfloat16)
     mm = time_fn(jax.jit(lambda x, y: x @ y), a, a)
-    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
+    x = jnp.ones((copy_bytes // 4,), jnp.float32)
     cp = time_fn(jax.jit(lambda v: v + 1), x)
     save_measured(path, base, flops=2 * n**3 / mm, hbm_bw=2 * x.nbytes / cp)
     print(f"measured ceilings -> {path}: {2 * n**3 / mm / 1e12:.0f} TFLOP/s, "
@@ -112,7 +112,12 @@ def gpu_check(args) -> list[dict]:
     from jaxllm.plan import plan
     from jaxllm.train.trainer import init_state, sharding_plan
 
-    measure_ceilings(args.measured, args.hardware)
+    if args.quick:  # a smoke test of the script on any device
+        args.config, args.batches, args.prompt_len, args.new_tokens = (
+            "configs/tiny.yaml", [1, 2], 32, 16)
+        args.overrides = ["model.n_layers=2", "train.batch_size=4", "train.seq_len=64",
+                          *args.overrides]
+    measure_ceilings(args.measured, args.hardware, *((512, 1 << 24) if args.quick else ()))
     cfg = load_config(args.config, ["parallelism.dp=1", "checkpoint.enabled=false",
                                     f"inference.max_new_tokens={args.new_tokens}",
                                     *args.overrides])
@@ -171,6 +176,7 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64])
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="--gpu on a tiny model (smoke test)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     if args.cpu:
