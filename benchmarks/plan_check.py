@@ -12,8 +12,8 @@ and their ratio. It sets the devices and XLA's fast-compile flag itself.
 
 --gpu first measures this device's ceilings (a bf16 8192^3 matmul; an HBM copy, read +
 write bytes) into measured.yaml, then sets the planner's predictions under those ceilings
-beside the measured figures for --config on one GPU: the train step (the trainer's jitted
-step on random tokens), TTFT for the --prompt-len prompt and TPOT at batches 1, 32, 64
+beside the measured figures for --config on one GPU: the train step's peak memory (its
+`memory_analysis()`) and time (the trainer's jitted step on random tokens), TTFT for the --prompt-len prompt and TPOT at batches 1, 32, 64
 (`jaxllm.inference.generate.generate_ids`, greedy, --new-tokens tokens).
 """
 from __future__ import annotations
@@ -110,6 +110,8 @@ def gpu_check(args) -> list[dict]:
     from jaxllm.inference.generate import generate_ids
     from jaxllm.inference.params import decode_params
     from jaxllm.plan import plan
+    from jaxllm.plan.memory import compiled_peak
+    from jaxllm.sharding.memory import step_memory
     from jaxllm.train.trainer import init_state, sharding_plan
 
     if args.quick:  # a smoke test of the script on any device
@@ -122,12 +124,16 @@ def gpu_check(args) -> list[dict]:
                                     f"inference.max_new_tokens={args.new_tokens}",
                                     *args.overrides])
     p = plan(cfg, args.hardware, 1, measured=args.measured, batches=args.batches,
-             prompt_len=args.prompt_len)
+             prompt_len=args.prompt_len, platform=jax.devices()[0].platform)
     rows = []
 
     # the train step, as the trainer runs it, on random tokens
     splan = sharding_plan(cfg, devices=jax.devices()[:1])
     _, params, opt_state, fns = init_state(cfg, splan)
+    peak = compiled_peak(step_memory(fns.step, splan, fns.tx))
+    rows.append({"what": "train step peak memory (GiB)",
+                 "planned": p.train_memory.total / 2**30, "measured": peak / 2**30,
+                 "measured / planned": peak / p.train_memory.total})
     rng = np.random.default_rng(0)
     t = cfg.train
     tok = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1))
@@ -138,8 +144,8 @@ def gpu_check(args) -> list[dict]:
         state[0], state[1], metrics = fns.step(state[0], state[1], batch)
         return metrics["loss"]
     measured_step = time_fn(step, target_s=0.5, batches=3)
-    rows.append({"what": "train step", "planned ms": 1e3 * p.step_s,
-                 "measured ms": 1e3 * measured_step, "measured / planned":
+    rows.append({"what": "train step (ms)", "planned": 1e3 * p.step_s,
+                 "measured": 1e3 * measured_step, "measured / planned":
                  measured_step / p.step_s, "bound": p.bound})
     del state, params, opt_state, fns
 
@@ -151,12 +157,12 @@ def gpu_check(args) -> list[dict]:
         generate_ids(dparams, prompts, warmup=True, **opts)
         timings = generate_ids(dparams, prompts, warmup=False, **opts)[1]
         if b == args.batches[0]:
-            rows.append({"what": f"TTFT B={b}, prompt {p.prompt_len}",
-                         "planned ms": 1e3 * p.ttft_s, "measured ms": 1e3 * timings["ttft_s"],
+            rows.append({"what": f"TTFT (ms) B={b}, prompt {p.prompt_len}",
+                         "planned": 1e3 * p.ttft_s, "measured": 1e3 * timings["ttft_s"],
                          "measured / planned": timings["ttft_s"] / p.ttft_s,
                          "bound": p.prefill.bound(p.hardware)})
-        rows.append({"what": f"TPOT B={b}, context {p.context}",
-                     "planned ms": 1e3 * p.tpot_s[b], "measured ms": 1e3 * timings["tpot_s"],
+        rows.append({"what": f"TPOT (ms) B={b}, context {p.context}",
+                     "planned": 1e3 * p.tpot_s[b], "measured": 1e3 * timings["tpot_s"],
                      "measured / planned": timings["tpot_s"] / p.tpot_s[b],
                      "bound": p.decode[b].bound(p.hardware)})
         print(rows[-1], flush=True)
