@@ -82,3 +82,23 @@ def test_measured_ceilings_and_cli(tmp_path, capsys):
     with pytest.raises(ValueError, match="devices=0"):
         plan(load_config("configs/tiny.yaml"), "h200", 0)
     assert "training memory per device" in render(plan(load_config("configs/tiny.yaml"), "a100", 1))
+
+
+def test_collectives_per_axis():
+    """dp=2 x fsdp=2 x tp=2 at ZeRO-1: parameters gathered twice and gradients
+    reduce-scattered over fsdp, gradients all-reduced and updated parameters gathered over
+    dp, and two all-reduces of the [4, 2048, 2048] bf16 activations per layer each way."""
+    cfg = load_config("configs/llama_1b.yaml", ["parallelism.dp=2", "parallelism.fsdp=2",
+                                                "parallelism.tp=2", "train.zero_stage=1"])
+    p = plan(cfg, "h200", 8)
+    got = {(c.axis, c.op): c for c in p.collectives}
+    assert set(got) == {("fsdp", "all-gather"), ("fsdp", "reduce-scatter"),
+                        ("dp", "all-reduce"), ("dp", "all-gather"), ("tp", "all-reduce")}
+    assert got["fsdp", "all-gather"].count == 2
+    assert got["dp", "all-reduce"].bytes == pytest.approx(got["fsdp", "all-gather"].bytes / 2)
+    tp = got["tp", "all-reduce"]
+    assert tp.bytes == 4 * 2048 * 2048 * 2 and tp.count == 4 * 16
+    assert tp.seconds == pytest.approx(64 * ring_seconds("all-reduce", tp.bytes, 2,
+                                                         get_hardware("h200").nvlink_bw))
+    assert p.step_exposed_s == pytest.approx(max(p.train.compute_s(p.hardware),
+                                                 p.train.memory_s(p.hardware)) + p.comm_s)
