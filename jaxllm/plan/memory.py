@@ -23,7 +23,7 @@ Training, per device, with local tokens T = (B / (dp·fsdp·ep) / microbatches) 
 The buffers beyond the parameter and activation counts (the gradients' copies, the
 working set) are what XLA's buffer assignment holds at the step's peak on the CPU;
 `benchmarks/plan_check.py --cpu` sets the sum beside `memory_analysis()` for 23 layouts
-and tests/test_plan.py checks four of them to 5%.
+and tests/test_plan.py checks three of them to 5%.
 """
 from __future__ import annotations
 
