@@ -16,10 +16,11 @@ def __getattr__(name):
     # `jaxllm.hf` without importing it (and its deps) eagerly; `jaxllm.generate`, the CLI
     # module, a callable one (jaxllm.generate(model, cfg, prompts)), imported on first use
     # so that `python -m jaxllm.generate` finds it not yet imported
-    if name in ("hf", "generate"):
+    if name in ("hf", "generate", "plan"):  # jaxllm.plan(cfg, hardware, devices): callable
         import importlib
         return importlib.import_module(f"jaxllm.{name}")
     raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")
 
 
-__all__ = ["Config", "ConfigError", "load_config", "save_config", "build_model", "generate", "chat"]
+__all__ = ["Config", "ConfigError", "load_config", "save_config", "build_model", "generate", "chat",
+           "plan"]

@@ -50,7 +50,7 @@ def cli_commands():
     return out
 
 
-PACKAGE_CLIS = ("jaxllm.train", "jaxllm.serve")  # CLIs in a package's __main__
+PACKAGE_CLIS = ("jaxllm.train", "jaxllm.serve", "jaxllm.plan")  # CLIs in a package's __main__
 
 
 def test_readme_commands_parse():

@@ -215,6 +215,8 @@ def test_dry_run_prints_layouts_and_memory():
     assert "(-, fsdp, tp, -)" in q and "(4, 64, 2, 32)" in q and "(-, dp+fsdp, tp, -)" in q
     ratio = float(out.split("ratio ")[1].split(")")[0])
     assert abs(ratio - 1) < 0.10
+    planned = float(out.split("planned / compiled ")[1].split()[0])  # jaxllm.plan's figure
+    assert abs(planned - 1) < 0.05
 
 
 def test_sharding_benchmark_runs_on_cpu():

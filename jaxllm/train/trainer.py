@@ -141,12 +141,14 @@ def init_state(cfg: Config, plan: ShardingPlan | None = None):
 
 
 def dry_run(cfg: Config) -> str:
-    """The mesh, every parameter's layout and the compiled step's per-device memory,
-    without allocating or training anything."""
+    """The mesh, every parameter's layout and the compiled step's per-device memory beside
+    the planner's, without allocating or training anything."""
+    from jaxllm.plan.memory import describe_vs_compiled
     plan = sharding_plan(cfg)
     fns = make_train_fns(cfg, plan.graphdef, plan)
-    return (plan.describe() + "\n"
-            + describe_memory(step_memory(fns.step, plan, fns.tx), cfg.train.zero_stage))
+    mem = step_memory(fns.step, plan, fns.tx)
+    return (plan.describe() + "\n" + describe_memory(mem, cfg.train.zero_stage) + "\n"
+            + describe_vs_compiled(cfg, mem, plan.mesh.size, plan.mesh.devices.flat[0].platform))
 
 
 class _StopFlag:

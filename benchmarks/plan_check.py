@@ -1,0 +1,199 @@
+"""The planner against what runs: compiled memory on CPU meshes, times on a GPU.
+
+    PYTHONPATH=. python benchmarks/plan_check.py --cpu [--configs NAME ...]   # memory sweep
+    PYTHONPATH=. python benchmarks/plan_check.py --gpu [--config configs/llama_1b.yaml]
+        [--batches 1 32 64] [--prompt-len 1024] [--new-tokens 128] [--quick]
+
+--cpu compiles the train step of a tiny model on 8 simulated CPU devices for every layout
+of CONFIGS (dp, fsdp, ZeRO 0-3, tp, sequence parallel, cp; remat none / full / dots; a few
+batch sizes) and prints the planner's peak bytes per device beside the compiler's
+(`memory_analysis`: arguments + temporaries + outputs not aliased to donated arguments)
+and their ratio. It sets the devices and XLA's fast-compile flag itself.
+
+--gpu first measures this device's ceilings (a bf16 8192^3 matmul; an HBM copy, read +
+write bytes) into measured.yaml, then sets the planner's predictions under those ceilings
+beside the measured figures for --config on one GPU: the train step's peak memory (its
+`memory_analysis()`) and time (the trainer's jitted step on random tokens), TTFT for the --prompt-len prompt and TPOT at batches 1, 32, 64
+(`jaxllm.inference.generate.generate_ids`, greedy, --new-tokens tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# one tiny model, laid out every way; each entry is a list of config overrides
+BASE = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=16"]
+CONFIGS = {
+    "dp8": ["parallelism.dp=8"],
+    "dp8_z1": ["parallelism.dp=8", "train.zero_stage=1"],
+    "dp8_z2": ["parallelism.dp=8", "train.zero_stage=2"],
+    "dp8_z3": ["parallelism.dp=8", "train.zero_stage=3"],
+    "fsdp8": ["parallelism.dp=1", "parallelism.fsdp=8"],
+    "dp4_fsdp2": ["parallelism.dp=4", "parallelism.fsdp=2"],
+    "dp4_tp2": ["parallelism.dp=4", "parallelism.tp=2"],
+    "dp4_tp2_sp": ["parallelism.dp=4", "parallelism.tp=2", "parallelism.sequence_parallel=true"],
+    "dp2_fsdp2_tp2_z1": ["parallelism.dp=2", "parallelism.fsdp=2", "parallelism.tp=2",
+                         "train.zero_stage=1"],
+    "dp4_cp2": ["parallelism.dp=4", "parallelism.cp=2"],
+    "dp4_cp2_full": ["parallelism.dp=4", "parallelism.cp=2", "model.remat=full"],
+    "dp8_full": ["parallelism.dp=8", "model.remat=full"],
+    "dp8_dots": ["parallelism.dp=8", "model.remat=dots"],
+    "fsdp8_full": ["parallelism.dp=1", "parallelism.fsdp=8", "model.remat=full"],
+    "dp4_tp2_full": ["parallelism.dp=4", "parallelism.tp=2", "model.remat=full"],
+    "dp8_b8": ["parallelism.dp=8", "train.batch_size=8"],
+    "dp8_b32": ["parallelism.dp=8", "train.batch_size=32"],
+    "dp8_b64": ["parallelism.dp=8", "train.batch_size=64"],
+    "dp8_s128": ["parallelism.dp=8", "train.seq_len=128"],
+    "dp8_z2_full": ["parallelism.dp=8", "train.zero_stage=2", "model.remat=full"],
+    # outside 5% (docs/experiments.md): kv heads repeated over tp=4, cp=4, dots at T=512
+    "dp2_tp4": ["parallelism.dp=2", "parallelism.tp=4"],
+    "dp2_cp4": ["parallelism.dp=2", "parallelism.cp=4"],
+    "fsdp8_b32_dots": ["parallelism.dp=1", "parallelism.fsdp=8", "train.batch_size=32",
+                       "model.remat=dots"],
+}
+KNOWN_MISSES = ("dp2_tp4", "dp2_cp4", "fsdp8_b32_dots")
+
+
+def cpu_sweep(names: list[str]) -> list[dict]:
+    import jax
+
+    from benchmarks.common import print_table
+    from jaxllm.config import load_config
+    from jaxllm.plan.memory import compiled_peak, train_memory
+    from jaxllm.sharding.memory import step_memory
+    from jaxllm.sharding.mesh import mesh_shape
+    from jaxllm.train.trainer import make_train_fns, sharding_plan
+
+    rows = []
+    for name in names:
+        cfg = load_config("configs/tiny.yaml", BASE + CONFIGS[name])
+        t = time.perf_counter()
+        plan = sharding_plan(cfg)
+        fns = make_train_fns(cfg, plan.graphdef, plan)
+        peak = compiled_peak(step_memory(fns.step, plan, fns.tx))
+        mem = train_memory(cfg, mesh_shape(cfg.parallelism, jax.device_count()),
+                           platform="cpu")
+        rows.append({"config": name, "planned MB": mem.total / 2**20,
+                     "compiled MB": peak / 2**20, "ratio": f"{mem.total / peak:.3f}",
+                     "compile s": time.perf_counter() - t})
+        print(rows[-1], flush=True)
+    print_table(rows, title="peak memory per device: planner vs compiler (8 CPU devices)")
+    return rows
+
+
+def measure_ceilings(path: str, base: str, n: int = 8192, copy_bytes: int = 4 << 30) -> None:
+    """A bf16 n^3 matmul's FLOP/s and an HBM copy's bytes/s (read + write) on device 0."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import time_fn
+    from jaxllm.plan.hardware import save_measured
+
+    a = jnp.ones((n, n), jnp.bfloat16)
+    mm = time_fn(jax.jit(lambda x, y: x @ y), a, a)
+    x = jnp.ones((copy_bytes // 4,), jnp.float32)
+    cp = time_fn(jax.jit(lambda v: v + 1), x)
+    save_measured(path, base, flops=2 * n**3 / mm, hbm_bw=2 * x.nbytes / cp)
+    print(f"measured ceilings -> {path}: {2 * n**3 / mm / 1e12:.0f} TFLOP/s, "
+          f"{2 * x.nbytes / cp / 1e12:.2f} TB/s")
+
+
+def gpu_check(args) -> list[dict]:
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks.common import print_table, time_fn
+    from jaxllm import build_model, load_config
+    from jaxllm.inference.generate import generate_ids
+    from jaxllm.inference.params import decode_params
+    from jaxllm.plan import plan
+    from jaxllm.plan.memory import compiled_peak
+    from jaxllm.sharding.memory import step_memory
+    from jaxllm.train.trainer import init_state, sharding_plan
+
+    if args.quick:  # a smoke test of the script on any device
+        args.config, args.batches, args.prompt_len, args.new_tokens = (
+            "configs/tiny.yaml", [1, 2], 32, 16)
+        args.overrides = ["model.n_layers=2", "train.batch_size=4", "train.seq_len=64",
+                          *args.overrides]
+    measure_ceilings(args.measured, args.hardware, *((512, 1 << 24) if args.quick else ()))
+    cfg = load_config(args.config, ["parallelism.dp=1", "checkpoint.enabled=false",
+                                    f"inference.max_new_tokens={args.new_tokens}",
+                                    *args.overrides])
+    p = plan(cfg, args.hardware, 1, measured=args.measured, batches=args.batches,
+             prompt_len=args.prompt_len, platform=jax.devices()[0].platform)
+    rows = []
+
+    # the train step, as the trainer runs it, on random tokens
+    splan = sharding_plan(cfg, devices=jax.devices()[:1])
+    _, params, opt_state, fns = init_state(cfg, splan)
+    peak = compiled_peak(step_memory(fns.step, splan, fns.tx))
+    rows.append({"what": "train step peak memory (GiB)",
+                 "planned": p.train_memory.total / 2**30, "measured": peak / 2**30,
+                 "measured / planned": peak / p.train_memory.total})
+    rng = np.random.default_rng(0)
+    t = cfg.train
+    tok = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1))
+    batch = splan.place_batch({"inputs": tok[:, :-1], "targets": tok[:, 1:]})
+    state = [params, opt_state]
+
+    def step():
+        state[0], state[1], metrics = fns.step(state[0], state[1], batch)
+        return metrics["loss"]
+    measured_step = time_fn(step, target_s=0.5, batches=3)
+    rows.append({"what": "train step (ms)", "planned": 1e3 * p.step_s,
+                 "measured": 1e3 * measured_step, "measured / planned":
+                 measured_step / p.step_s, "bound": p.bound})
+    del state, params, opt_state, fns
+
+    model = build_model(cfg.model, rngs=nnx.Rngs(0))
+    dparams = decode_params(model, cfg)
+    opts = dict(max_new_tokens=args.new_tokens, temperature=0.0, eos_id=None, chunk=32)
+    for b in args.batches:
+        prompts = rng.integers(0, min(256, cfg.model.vocab_size), (b, p.prompt_len)).tolist()
+        generate_ids(dparams, prompts, warmup=True, **opts)
+        timings = generate_ids(dparams, prompts, warmup=False, **opts)[1]
+        if b == args.batches[0]:
+            rows.append({"what": f"TTFT (ms) B={b}, prompt {p.prompt_len}",
+                         "planned": 1e3 * p.ttft_s, "measured": 1e3 * timings["ttft_s"],
+                         "measured / planned": timings["ttft_s"] / p.ttft_s,
+                         "bound": p.prefill.bound(p.hardware)})
+        rows.append({"what": f"TPOT (ms) B={b}, context {p.context}",
+                     "planned": 1e3 * p.tpot_s[b], "measured": 1e3 * timings["tpot_s"],
+                     "measured / planned": timings["tpot_s"] / p.tpot_s[b],
+                     "bound": p.decode[b].bound(p.hardware)})
+        print(rows[-1], flush=True)
+    print_table(rows, title=f"planner ({p.hardware.name}) vs measured: {args.config}")
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--cpu", action="store_true", help="memory sweep on 8 CPU devices")
+    mode.add_argument("--gpu", action="store_true", help="times on this GPU")
+    ap.add_argument("--configs", nargs="+", default=None, help=f"--cpu: of {list(CONFIGS)}")
+    ap.add_argument("--config", default="configs/llama_1b.yaml")
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--measured", default="measured.yaml")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64])
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="--gpu on a tiny model (smoke test)")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    if args.cpu:
+        return cpu_sweep(args.configs or list(CONFIGS))
+    return gpu_check(args)
+
+
+if __name__ == "__main__":
+    if "--cpu" in sys.argv:  # before jax starts: 8 devices, fast compiles
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
+                                   "platform_device_count=8 --xla_backend_optimization_level=0")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()

@@ -1,0 +1,30 @@
+"""The hardware planner: memory, FLOPs, roofline times and communication of a config.
+
+    p = jaxllm.plan(cfg, hardware="h200", devices=8)
+    print(jaxllm.plan.render(p))
+
+    python -m jaxllm.plan --config configs/llama_1b.yaml --hardware h100 --devices 16
+
+    hardware.py  datasheet peaks and measured ceilings      flops.py    FLOPs
+    memory.py    per-device memory (training, KV cache)     comm.py     collectives per axis
+    roofline.py  intensity and times                        report.py   `plan`, the report
+    plot.py      the figures (`--plot DIR`)
+"""
+import sys
+import types
+
+from jaxllm.plan.hardware import HARDWARE, Hardware, get_hardware, load_measured
+from jaxllm.plan.report import Plan, plan, render
+
+
+class _CallableModule(types.ModuleType):
+    """`jaxllm.plan(cfg, ...)` calls `plan` while `jaxllm.plan.render` etc. stay reachable:
+    importing this package binds it as `jaxllm.plan`, so the package is the call."""
+
+    def __call__(self, *args, **kwargs):
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+__all__ = ["HARDWARE", "Hardware", "Plan", "get_hardware", "load_measured", "plan", "render"]

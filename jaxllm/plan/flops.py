@@ -1,0 +1,103 @@
+"""FLOPs of training, prefill and decode, counted from the config (dense now; hooks for MoE).
+
+Conventions (DESIGN.md): a matmul of m x k by k x n is 2mkn FLOPs; the backward pass is
+twice the forward, so training is 3x; attention is 4·Hq·Sq·Skv·D forward per sequence and
+layer, halved for causal masks. Two training counts are kept apart:
+
+    model FLOPs     6·N_active + attention without the causal halving: the MFU convention
+                    (`ModelConfig.flops_per_token`), comparable across codebases
+    hardware FLOPs  what the step executes: attention halved for causal, plus the forward
+                    the remat policy recomputes ("full": every block again, "dots": the
+                    non-matmul work, which costs no matmul FLOPs, and attention)
+
+N_active counts the parameters one token passes through: every dense layer, and with a
+`model.moe` section only its routed experts (top_k of them) and the shared ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxllm.config import ModelConfig
+
+
+# -- the terms that MoE and MLA change ----------------------------------------------------
+
+def active_params(m: ModelConfig, *, embeddings: bool = False) -> int:
+    """Parameters one token passes through: `ModelConfig.num_params`, with `model.moe` its
+    active count (top_k routed experts of each MoE layer)."""
+    if getattr(m, "moe", None) is None:
+        return m.num_params(embeddings=embeddings)
+    return m.num_params(embeddings=embeddings, active=True)
+
+
+def head_params(m: ModelConfig) -> int:
+    """The output projection (a matmul per token, tied or not)."""
+    return m.vocab_size * m.d_model
+
+
+def attention_dims(m: ModelConfig) -> tuple[int, int]:
+    """(query-key dim, value dim) per head: head_dim twice, or MLA's (`model.mla`)."""
+    mla = getattr(m, "mla", None)
+    if mla is None:
+        return m.resolved_head_dim, m.resolved_head_dim
+    return mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
+
+
+def moe_layers(m: ModelConfig) -> int:
+    """Layers whose feed-forward is a mixture of experts (0 without `model.moe`)."""
+    moe = getattr(m, "moe", None)
+    return 0 if moe is None else m.n_layers - getattr(moe, "dense_layers", 0)
+
+
+# -- FLOPs ----------------------------------------------------------------------------------
+
+def attention_flops(m: ModelConfig, sq: int, skv: int, *, causal: bool = True) -> float:
+    """Forward attention FLOPs of one sequence over all layers: QK^T and PV."""
+    dqk, dv = attention_dims(m)
+    window = getattr(m, "sliding_window", None)
+    if window is not None:
+        skv = min(skv, window)
+    f = 2 * m.n_heads * sq * skv * (dqk + dv) * m.n_layers
+    if causal and sq == skv:
+        f /= 2
+    return f
+
+
+@dataclass(frozen=True)
+class TrainFlops:
+    model_per_token: float  # the MFU convention
+    hardware_per_token: float  # what the step executes (causal attention, remat recompute)
+    tokens_per_step: int
+
+    @property
+    def model_per_step(self) -> float:
+        return self.model_per_token * self.tokens_per_step
+
+    @property
+    def hardware_per_step(self) -> float:
+        return self.hardware_per_token * self.tokens_per_step
+
+
+def train_flops(m: ModelConfig, batch: int, seq: int, remat: str | None = None) -> TrainFlops:
+    """Training FLOPs per token and per step of `batch` sequences of `seq` tokens."""
+    remat = remat or m.remat
+    n = active_params(m) + head_params(m)
+    dqk, dv = attention_dims(m)
+    model = 6 * n + 6 * m.n_layers * m.n_heads * (dqk + dv) * seq  # 12·L·H·D·S for dqk = dv
+    attn_fwd = attention_flops(m, seq, seq) / seq  # per token
+    matmul_fwd = 2 * (n - head_params(m))  # the blocks' matmuls (the head is not rematted)
+    recompute = {"none": 0.0, "dots": attn_fwd, "full": matmul_fwd + attn_fwd}[remat]
+    hardware = 6 * n + 3 * attn_fwd + recompute
+    return TrainFlops(model, hardware, batch * seq)
+
+
+def prefill_flops(m: ModelConfig, batch: int, prompt: int) -> float:
+    """Prefill of `batch` prompts of `prompt` tokens (logits of the last position only)."""
+    n = active_params(m)
+    return batch * (2 * n * prompt + 2 * head_params(m) + attention_flops(m, prompt, prompt))
+
+
+def decode_flops(m: ModelConfig, batch: int, context: int) -> float:
+    """One decode step: `batch` new tokens, each attending to `context` cached ones."""
+    n = active_params(m) + head_params(m)
+    return batch * (2 * n + attention_flops(m, 1, context, causal=False))

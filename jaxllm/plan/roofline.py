@@ -1,0 +1,86 @@
+"""Roofline times: a step takes max(FLOPs / peak, HBM bytes / bandwidth), plus what the
+network adds; the larger term names what bounds it.
+
+Arithmetic intensity is FLOPs per HBM byte; above the ridge point (peak / bandwidth) a
+workload is compute-bound, below it memory-bound. HBM bytes counted:
+
+    train step  the compute copy of the weights read three times per microbatch (forward,
+                the two backward matmuls), the optimizer's pass over its shards (read
+                params, grads, m, v; write params, m, v) and the saved activations written
+                once and read once
+    prefill     the weights once and the new K/V written
+    decode      the weights once and every live K/V byte read, per step
+
+Communication overlaps computation at best (`step_s` takes the larger) and not at all at
+worst (`step_exposed_s` adds them); pipeline stages idle for the schedule's bubble,
+(pp - 1) / (microbatches x repeats) of the work.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxllm.config import Config
+from jaxllm.plan.flops import decode_flops, prefill_flops, train_flops
+from jaxllm.plan.hardware import Hardware
+from jaxllm.plan.memory import TrainMemory, inference_memory, weight_bytes
+
+
+@dataclass(frozen=True)
+class Point:
+    """One workload on the roofline, per device."""
+    name: str
+    flops: float
+    bytes: float
+    comm_s: float = 0.0
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+    def compute_s(self, hw: Hardware) -> float:
+        return self.flops / hw.flops
+
+    def memory_s(self, hw: Hardware) -> float:
+        return self.bytes / hw.hbm_bw
+
+    def seconds(self, hw: Hardware) -> float:
+        return max(self.compute_s(hw), self.memory_s(hw), self.comm_s)
+
+    def bound(self, hw: Hardware) -> str:
+        terms = {"compute": self.compute_s(hw), "memory": self.memory_s(hw),
+                 "communication": self.comm_s}
+        return max(terms, key=terms.get)
+
+
+def bubble_fraction(cfg: Config, pp: int, micro: int) -> float:
+    if pp == 1:
+        return 0.0
+    return (pp - 1) / (micro * getattr(cfg.parallelism, "pp_repeats", 1))
+
+
+def train_point(cfg: Config, sizes: dict[str, int], mem: TrainMemory, comm_s: float,
+                micro: int = 1) -> Point:
+    """The training step on one device."""
+    m, t = cfg.model, cfg.train
+    n = math.prod(sizes.values())
+    fl = train_flops(m, t.batch_size, t.seq_len)
+    flops = fl.hardware_per_step / n * (1 + bubble_fraction(cfg, sizes["pp"], micro))
+    weights = 3 * micro * weight_bytes(m) / (sizes["tp"] * sizes["pp"])
+    optimizer = 2 * mem.params + mem.grads + 2 * mem.opt_state  # read all; write p, m, v
+    acts = 2 * mem.activations
+    return Point("train", flops, weights + optimizer + acts, comm_s)
+
+
+def prefill_point(cfg: Config, batch: int, prompt: int, tp: int) -> Point:
+    m = cfg.model
+    mem = inference_memory(cfg, float("inf"), tp, prompt)
+    return Point(f"prefill B={batch}", prefill_flops(m, batch, prompt) / tp,
+                 mem.weights + batch * prompt * mem.kv_per_token)
+
+
+def decode_point(cfg: Config, batch: int, context: int, tp: int) -> Point:
+    m = cfg.model
+    mem = inference_memory(cfg, float("inf"), tp, context)
+    return Point(f"decode B={batch}", decode_flops(m, batch, context) / tp,
+                 mem.weights + batch * context * mem.kv_per_token)
