@@ -102,3 +102,14 @@ def test_collectives_per_axis():
                                                          get_hardware("h200").nvlink_bw))
     assert p.step_exposed_s == pytest.approx(max(p.train.compute_s(p.hardware),
                                                  p.train.memory_s(p.hardware)) + p.comm_s)
+
+
+def test_plots_are_written(tmp_path):
+    from jaxllm.plan.__main__ import main
+    assert main(["--config", "configs/tiny.yaml", "--devices", "1", "--plot",
+                 str(tmp_path)]) == 0
+    pngs = sorted(tmp_path.glob("*.png"))
+    assert len(pngs) == 3
+    for png in pngs:  # a real PNG each, not an empty file
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
