@@ -48,7 +48,7 @@ def test_ragged_lengths_shuffled_pages():
 
 def test_split_context_over_a_layer_stack():
     """float32, a rope part of 8 columns (padded in the kernel), pages of 16: context
-    splits (empty ones included) merged in the kernel, two head blocks (the second part
+    splits (empty ones included) merged by log-sum-exp, two head blocks (the second part
     padding), the layer a traced index names, a table wider than needed."""
     lengths = [0, 1, 15, 16, 17, 70]
     q, kv, tables, lens = _case(1, 16, 20, 72, lengths, jnp.float32)

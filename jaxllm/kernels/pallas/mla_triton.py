@@ -21,11 +21,9 @@ latent tile the score product read, so each latent page is read once per head bl
 
 When B x head blocks programs would leave SMs idle, the context is split over several
 programs (flash-decoding): each split writes its normalised partial output and
-log-sum-exp, then counts itself in on an int32 counter per (sequence, head block) with
-an atomic add (after a barrier of its program, so its stores come first); the split that
-sees every other one counted merges the partials by log-sum-exp, reading them back from
-L2, and sets the counter back to zero. merge="xla" merges after the kernel instead
-(`paged_triton.merge_partials`).
+log-sum-exp, merged by log-sum-exp after the kernel (`paged_triton.merge_partials`; a
+merge by the last split inside the kernel, as the paged kernel does, measured no faster
+here).
 
 `lengths[b] == 0` gives a zero row; lengths past the block table's capacity read only the
 table's pages (as the reference does).
@@ -55,13 +53,10 @@ def _pow2(n: int) -> int:
 def _mla_kernel(layer_ref, lengths_ref, tables_ref, q_ref, kv_ref, *out_refs, hq: int,
                 block_h: int, head_dim: int, v_dim: int, rope_cols: int, page_size: int,
                 pool_pages: int, pages_per_step: int, pages_per_split: int,
-                n_table: int, scale_log2: float, allow_tf32: bool, merge: str,
-                num_splits: int, interpret: bool):
-    """q_ref [B, Hq, Dk]; kv_ref [L * P * page, Dk] (a layer stack's rows end to end).
-    merge "none" (one split): out_refs = o [B, Hq, v_dim]; "xla": the partials o
-    [B, splits, Hq, v_dim] f32 and lse [B, splits, Hq], merged after the kernel;
-    "kernel": out_refs = counters in, o, the partials, counters out (the same buffer),
-    merged by the last split to finish (see `_merge_splits`)."""
+                n_table: int, scale_log2: float, allow_tf32: bool):
+    """q_ref [B, Hq, Dk]; kv_ref [L * P * page, Dk] (a layer stack's rows end to end);
+    out_refs: o [B, Hq, v_dim] (one split) or the partials o [B, splits, Hq, v_dim] f32
+    and lse [B, splits, Hq], merged after the kernel."""
     b, hb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_k = pages_per_step * page_size
     head = hb * block_h + jnp.arange(block_h)  # [block_h]
@@ -119,59 +114,14 @@ def _mla_kernel(layer_ref, lengths_ref, tables_ref, q_ref, kv_ref, *out_refs, hq
     nonempty = l > 0
     out = acc / jnp.where(nonempty, l, 1.0)[:, None]
     ok2 = h2 < hq
-    if merge == "none":
+    if len(out_refs) == 1:
         (o_ref,) = out_refs
         pltriton.store(o_ref.at[b, h2, cv], out.astype(o_ref.dtype), mask=ok2)
         return
-    if merge == "xla":
-        o_part_ref, lse_part_ref = out_refs
-    else:
-        _, o_ref, o_part_ref, lse_part_ref, cnt_ref = out_refs
+    o_ref, lse_ref = out_refs
     lse = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * _LN2, -jnp.inf)
-    pltriton.store(o_part_ref.at[b, split, h2, cv], out, mask=ok2)
-    pltriton.store(lse_part_ref.at[b, split, head], lse, mask=head_ok)
-    if merge == "xla":
-        return
-    if not interpret:  # all of the program's partial stores come before its count
-        pltriton.debug_barrier()
-    counter = b * pl.num_programs(1) + hb
-    counted = pltriton.atomic_add(cnt_ref, (counter,), jnp.ones((), jnp.int32))
-
-    @pl.when(counted == num_splits - 1)
-    def _():  # the last split of (b, hb) to finish merges them all
-        _merge_splits(o_ref, o_part_ref, lse_part_ref, b, head, hq, v_dim, num_splits)
-        cnt_ref[counter] = jnp.zeros((), jnp.int32)
-
-
-def _merge_splits(o_ref, o_part_ref, lse_part_ref, b, head, hq: int, v_dim: int,
-                  num_splits: int):
-    """o[b, head] = the log-sum-exp merge of the partials [b, :, head] (as merge_partials),
-    read back after the acquiring count: the weights from every split's lse at once, then
-    the outputs split by split, a column chunk at a time to bound the registers."""
-    block_h = head.shape[0]
-    sp = _pow2(num_splits)
-    s2 = jnp.broadcast_to(jnp.arange(sp)[:, None], (sp, block_h))
-    h2 = jnp.broadcast_to(head[None, :], (sp, block_h))
-    lse = pltriton.load(lse_part_ref.at[b, s2, h2], mask=(s2 < num_splits) & (h2 < hq),
-                        other=-jnp.inf)  # [sp, block_h]
-    mx = lse.max(axis=0)
-    mx = jnp.where(mx > -jnp.inf, mx, 0.0)
-    den = jnp.exp(lse - mx[None, :]).sum(axis=0)  # 0 where every split was empty
-    inv = 1.0 / jnp.where(den > 0, den, 1.0)
-    head_ok = head < hq
-    width = min(v_dim, 128)
-    for c0 in range(0, v_dim, width):
-        hc = jnp.broadcast_to(head[:, None], (block_h, width))
-        cc = jnp.broadcast_to(c0 + jnp.arange(width)[None, :], (block_h, width))
-
-        def add(i, acc):
-            w = jnp.exp(pltriton.load(lse_part_ref.at[b, i, head], mask=head_ok,
-                                      other=-jnp.inf) - mx) * inv
-            o = pltriton.load(o_part_ref.at[b, i, hc, cc], mask=hc < hq, other=0.0)
-            return acc + w[:, None] * o
-
-        acc = jax.lax.fori_loop(0, num_splits, add, jnp.zeros((block_h, width), jnp.float32))
-        pltriton.store(o_ref.at[b, hc, cc], acc.astype(o_ref.dtype), mask=hc < hq)
+    pltriton.store(o_ref.at[b, split, h2, cv], out, mask=ok2)
+    pltriton.store(lse_ref.at[b, split, head], lse, mask=head_ok)
 
 
 def unsupported_reason(q, kv_pages, v_dim: int) -> str | None:
@@ -189,26 +139,25 @@ def unsupported_reason(q, kv_pages, v_dim: int) -> str | None:
 
 def _sm_count() -> int:
     dev = jax.devices()[0]
-    if dev.platform != "gpu":  # the interpreter: a few splits keep the split path exercised
+    if dev.platform != "gpu":  # the interpreter: one split unless asked for more
         return 2
     return int(getattr(dev, "core_count", 0) or 132)
 
 
 def _pick_splits(programs: int, n_steps_total: int) -> int:
-    """Splits along the context: none when `programs` (B x head blocks) already fill
-    every SM, else as many as keep the grid within about two programs an SM (a whole
-    number of waves), down to one step each."""
+    """Splits along the context: as many as keep the grid of `programs` (B x head
+    blocks) x splits within about two programs an SM (whole waves), at least one and at
+    most one a step."""
     return max(1, min((2 * _sm_count()) // programs, n_steps_total))
 
 
 @functools.partial(jax.jit, static_argnames=("v_dim", "sm_scale", "block_h", "block_k",
                                              "num_splits", "num_warps", "num_stages",
-                                             "interpret", "merge"))
+                                             "interpret"))
 def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: float, layer=None,
                block_h: int | None = None, block_k: int | None = None,
                num_splits: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, interpret: bool | None = None,
-               merge: str = "kernel"):
+               num_stages: int | None = None, interpret: bool | None = None):
     """q [B, Hq, Dk]; kv_pages [P, page, Dk] (or a layer stack [L, P, page, Dk] with
     `layer`, read in place); block_tables int32 [B, W]; lengths int32 [B] -> [B, Hq, v_dim]
     in q's dtype: softmax(q kv^T * sm_scale) @ kv[..., :v_dim].
@@ -218,10 +167,7 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     of 64 and the page size); num_splits: programs per (sequence, head block) along the
     context (default: none when B x head blocks fills the SMs); num_warps (default 4, 8
     from 64 heads a program) and num_stages (default 4) go to Triton. The defaults are
-    the best of a sweep on an H200 (docs/experiments.md). merge: how several splits
-    are merged: "kernel" (default; the last split of a (sequence, head block) to finish
-    merges them, counting finished splits with an atomic add on an int32 counter) or
-    "xla" (`merge_partials` after the kernel).
+    the best of a sweep on an H200 (docs/experiments.md).
     """
     if kv_pages.ndim == 4:
         if layer is None:
@@ -262,44 +208,30 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     num_splits = pl.cdiv(n_table, pages_per_split)
     num_warps = (8 if block_h >= 64 else 4) if num_warps is None else num_warps
     num_stages = 4 if num_stages is None else num_stages
-    if merge not in ("kernel", "xla"):
-        raise ValueError(f"merge={merge!r}; choose 'kernel' or 'xla'")
-    merge = "none" if num_splits == 1 else merge
 
     kernel = functools.partial(
         _mla_kernel, hq=hq, block_h=block_h, head_dim=head_dim, v_dim=v_dim,
         rope_cols=rope_cols, page_size=page_size, pool_pages=rows_total // n_layers,
         pages_per_step=pages_per_step, pages_per_split=pages_per_split, n_table=n_table,
-        scale_log2=sm_scale * _LOG2E, merge=merge, num_splits=num_splits, interpret=interpret,
+        scale_log2=sm_scale * _LOG2E,
         allow_tf32=q.dtype != jnp.float32)  # float32 inputs get float32 products
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
-    args = [layer, lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q,
-            kv_pages.reshape(rows_total * page_size, head_dim)]
-    out = jax.ShapeDtypeStruct((batch, hq, v_dim), q.dtype)
-    parts = (jax.ShapeDtypeStruct((batch, num_splits, hq, v_dim), jnp.float32),
-             jax.ShapeDtypeStruct((batch, num_splits, hq), jnp.float32))
-    aliases = {}
-    if merge == "none":
-        out_shape = out
-    elif merge == "xla":
-        out_shape = parts
-    else:  # the counters: in and out, one buffer
-        args.append(jnp.zeros((batch * head_blocks,), jnp.int32))
-        aliases = {len(args) - 1: 3}
-        out_shape = (out, *parts, jax.ShapeDtypeStruct(args[-1].shape, jnp.int32))
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((batch, hq, v_dim), q.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((batch, num_splits, hq, v_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((batch, num_splits, hq), jnp.float32))
     out = pl.pallas_call(
         kernel,
         grid=(batch, head_blocks, num_splits),
-        in_specs=[pl.no_block_spec] * len(args),  # scalars, tables, pages: gathered
+        in_specs=[pl.no_block_spec] * 5,  # scalars, tables and the pages: gathered
         out_specs=jax.tree.map(lambda _: pl.no_block_spec, out_shape),
         out_shape=out_shape,
-        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"mla_decode_p{page_size}_h{block_h}_bk{block_k}_s{num_splits}_{merge}",
-    )(*args)
-    if merge == "none":
+        name=f"mla_decode_p{page_size}_h{block_h}_bk{block_k}_s{num_splits}",
+    )(layer, lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q,
+      kv_pages.reshape(rows_total * page_size, head_dim))
+    if num_splits == 1:
         return out
-    if merge == "kernel":
-        return out[0]
     return merge_partials(*out).astype(q.dtype)  # partials [B, S, Hq, v_dim], [B, S, Hq]
