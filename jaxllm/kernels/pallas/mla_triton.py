@@ -165,7 +165,7 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     block_h: query heads a program (a power of two >= 16; default: Hq up to 32);
     block_k: tokens a step (a power-of-two multiple of the page size; default the larger
     of 64 and the page size); num_splits: programs per (sequence, head block) along the
-    context (default: none when B x head blocks fills the SMs); num_warps (default 4, 8
+    context (default: whole waves of about two programs an SM); num_warps (default 4, 8
     from 64 heads a program) and num_stages (default 4) go to Triton. The defaults are
     the best of a sweep on an H200 (docs/experiments.md).
     """
