@@ -2,7 +2,8 @@
 `ragged_paged_attention` (a serving step's mixed prefill and decode tokens over the paged
 KV cache), `decode_attention` (a few new tokens over a contiguous KV cache) and
 `decode_matmul` (a decode step's weight read with its norm, RoPE, cache write, SwiGLU or
-residual folded in) and `grouped_matmul` (one matmul per group of rows: MoE experts).
+residual folded in), `grouped_matmul` (one matmul per group of rows: MoE experts) and
+`mla_decode` (multi-head latent attention decode over a paged latent cache).
 
 `impl` names the implementation; "auto" takes the fastest one that runs here and takes
 the inputs. Which implementations exist and what each supports is `registry.py`: `pick`,
@@ -212,5 +213,47 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, impl: 
     return fn(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, **kwargs)
 
 
+def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int,
+               sm_scale: float | None = None, impl: str = "auto", layer=None, **kwargs):
+    """Multi-head latent attention decode, absorbed form, over a paged latent cache.
+
+    Every query head attends over the one latent row [Dk] of each token (MQA with a
+    single kv head): the key is the whole row (kv_lora_rank latent + rope part), the
+    value its first `v_dim` columns. q [B, Hq, Dk] (the absorbed queries); kv_pages
+    [P, page, Dk], or a layer stack [L, P, page, Dk] with `layer` (int or traced int32
+    scalar; read in place); block_tables int32 [B, W]: token t of row b is at offset
+    t % page of page block_tables[b, t // page]; lengths int32 [B] (0 allowed: the row
+    is zeros). -> [B, Hq, v_dim] in q's dtype, softmax(q k^T * sm_scale) @ v.
+    `sm_scale` defaults to 1/sqrt(Dk); the model passes its own (the q/k head dim's).
+    Extra keyword arguments (block sizes, splits) go to the chosen implementation.
+    """
+    if q.ndim != 3 or kv_pages.ndim not in (3, 4):
+        raise ValueError(f"mla_decode wants q [B, Hq, Dk] and kv_pages [P, page, Dk] (or "
+                         f"[L, P, page, Dk] with layer=); got q{q.shape} kv{kv_pages.shape}")
+    if (kv_pages.ndim == 4) != (layer is not None):
+        raise ValueError(f"layer={layer!r} goes with kv pages of rank 4 [L, P, page, Dk], and "
+                         f"only with them; got kv{kv_pages.shape}")
+    b, _, dk = q.shape
+    if kv_pages.shape[-1] != dk:
+        raise ValueError(f"q{q.shape} and kv{kv_pages.shape} disagree in Dk (the latent "
+                         f"row width)")
+    if not isinstance(v_dim, int) or not 0 < v_dim <= dk:
+        raise ValueError(f"v_dim={v_dim!r} must be an int in [1, Dk={dk}] (the latent "
+                         f"columns that are the value, e.g. kv_lora_rank)")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or lengths.shape != (b,):
+        raise ValueError(f"block_tables must be [B, W] and lengths [B] with B={b}; got "
+                         f"{block_tables.shape} and {lengths.shape}")
+    for name, x in (("block_tables", block_tables), ("lengths", lengths)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integers (int32); got {x.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype != kv_pages.dtype:
+        raise ValueError(f"q and kv_pages must share one floating dtype; got {q.dtype} and "
+                         f"{kv_pages.dtype}")
+    sm_scale = dk ** -0.5 if sm_scale is None else float(sm_scale)
+    fn = pick("mla", impl, q, kv_pages, v_dim).fn
+    return fn(q, kv_pages, block_tables, lengths, v_dim=v_dim, sm_scale=sm_scale, layer=layer,
+              **kwargs)
+
+
 __all__ = ["flash_attention", "paged_attention", "ragged_paged_attention", "decode_attention",
-           "decode_matmul", "grouped_matmul", "pick", "names", "available"]
+           "decode_matmul", "grouped_matmul", "mla_decode", "pick", "names", "available"]

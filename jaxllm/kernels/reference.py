@@ -179,3 +179,25 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):
         y = jnp.dot(lhs, rhs[g], preferred_element_type=jnp.float32)
         out = jnp.where((group == g)[:, None], y, out)
     return out.astype(out_dtype)
+
+
+def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: float | None = None,
+               layer=None):
+    """Absorbed multi-head latent attention decode over a paged latent cache.
+
+    q [B, Hq, Dk]; kv_pages [P, page, Dk] (or [L, P, page, Dk] with `layer`): one latent
+    row per token, shared by every head, the key the whole row and the value its first
+    v_dim columns; block_tables [B, W]; lengths [B] (0 gives zeros). -> [B, Hq, v_dim].
+    """
+    if layer is not None:
+        kv_pages = kv_pages[layer]
+    d = q.shape[-1]
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    kv = gather_pages(kv_pages[None], block_tables)[:, :, 0].astype(jnp.float32)  # (B, S, Dk)
+    s = jnp.einsum("bhd,bkd->bhk", q.astype(jnp.float32), kv, precision=EXACT) * sm_scale
+    valid = (jnp.arange(kv.shape[1])[None, :] < lengths[:, None])[:, None, :]  # (B, 1, S)
+    s = jnp.where(valid, s, NEG_INF)
+    p = jnp.where(valid, jnp.exp(s - s.max(-1, keepdims=True)), 0.0)
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+    o = jnp.einsum("bhk,bkd->bhd", p, kv[..., :v_dim], precision=EXACT)
+    return o.astype(q.dtype)

@@ -8,6 +8,7 @@ Ops and their arguments (what `pick` and an entry's `check` receive as inputs):
   ragged   q [T, Hq, D], k_pages [(L,) Hkv, P, page, D]        (kernels.ragged_paged_attention)
   matmul   x [M, K], w (out-major), epilogue                   (kernels.decode_matmul)
   gmm      lhs [M, K], rhs [G, K, N], group_sizes [G]          (kernels.grouped_matmul)
+  mla      q [B, Hq, Dk], kv_pages [(L,) P, page, Dk], v_dim     (kernels.mla_decode)
 
 Targets are "module:function" strings, imported on first use, so importing jaxllm never
 imports Pallas or a backend the device cannot run. The dtype and head dim an entry
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 
 OPS = {"flash": "flash attention", "paged": "paged attention", "decode": "decode attention",
        "matmul": "decode matmul", "ragged": "ragged paged attention",
-       "gmm": "grouped matmul"}
+       "gmm": "grouped matmul", "mla": "MLA decode"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,9 @@ IMPLS = (
          platforms=_INTERPRETED, check=f"{_PALLAS}.gemv_triton:unsupported_reason"),
     Impl("gmm", "reference", f"{_REF}:grouped_matmul"),
     Impl("gmm", "xla", f"{_XLA}:grouped_matmul"),
+    Impl("mla", "reference", f"{_REF}:mla_decode"),
+    Impl("mla", "pallas_triton", f"{_PALLAS}.mla_triton:mla_decode",
+         platforms=_INTERPRETED, check=f"{_PALLAS}.mla_triton:unsupported_reason"),
 )
 
 # The fastest correct implementation first (docs/performance.md). Flash: our Mosaic kernel
@@ -116,6 +120,8 @@ AUTO = (
     AutoOrder("matmul", "gpu", ("pallas_triton", "xla")),
     AutoOrder("matmul", None, ("xla",)),
     AutoOrder("gmm", None, ("xla",)),
+    AutoOrder("mla", "gpu", ("pallas_triton", "reference")),
+    AutoOrder("mla", None, ("reference",)),
 )
 
 
