@@ -97,6 +97,8 @@ IMPLS = (
          platforms=_INTERPRETED, check=f"{_PALLAS}.gemv_triton:unsupported_reason"),
     Impl("gmm", "reference", f"{_REF}:grouped_matmul"),
     Impl("gmm", "xla", f"{_XLA}:grouped_matmul"),
+    Impl("gmm", "pallas_triton", f"{_PALLAS}.gmm_triton:grouped_matmul",
+         platforms=_INTERPRETED, check=f"{_PALLAS}.gmm_triton:unsupported_reason"),
 )
 
 # The fastest correct implementation first (docs/performance.md). Flash: our Mosaic kernel
@@ -115,6 +117,7 @@ AUTO = (
     AutoOrder("ragged", None, ("reference",)),
     AutoOrder("matmul", "gpu", ("pallas_triton", "xla")),
     AutoOrder("matmul", None, ("xla",)),
+    AutoOrder("gmm", "gpu", ("pallas_triton", "xla")),
     AutoOrder("gmm", None, ("xla",)),
 )
 
