@@ -149,7 +149,7 @@ def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out
 
     @pl.when(g >= 0)
     def _():  # the rows past the last group (g == n_groups) take no steps: zeros
-        steps = jnp.where(g < n_groups, k // bk, 0)
+        steps = jnp.minimum(n_groups - g, 1) * (k // bk)  # 0 <= g <= n_groups
         acc = lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
         pltriton.store(out_ref.at[_grid2(rows, cols)], acc.astype(out_ref.dtype),
                        mask=row_ok[:, None] & col_ok[None, :])
