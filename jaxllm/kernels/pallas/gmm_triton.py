@@ -22,7 +22,9 @@ together read the same rows of lhs and the same rhs[g] (they meet in L2).
 
 d rhs: one program per (group, K tile, N tile), `t_block_k` x `t_block_n`; it walks its
 group's rows `t_block_m` at a time (masked at the group's end) and sums lhs_g^T dout_g in
-float32. An empty group walks no rows and stores zeros. Programs of one group are adjacent.
+float32. An empty group walks no rows and stores zeros. Programs of one group are adjacent
+(they share its rows in L2), the groups in order of decreasing size (with skewed routing
+the largest group's programs are the longest; started last, they would end the grid alone).
 
 Products accumulate in float32 (float32 inputs with full-precision products: no TF32).
 The contracted dims of forward and d lhs (K and N) must be multiples of 16, the least
@@ -186,12 +188,12 @@ def _gmm(lhs, rhs, group_sizes, out_dtype, *, trans_rhs: bool, bs: BlockSizes,
 # ----------------------------------------------------------------- d rhs (transposed)
 
 
-def _tgmm_kernel(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, bm: int, bk: int,
-                 bn: int, n_k_tiles: int, n_n_tiles: int, k: int, n: int):
-    """Group pid // (K tiles x N tiles): out[g, K tile, N tile] = lhs_g^T @ dout_g."""
+def _tgmm_kernel(order_ref, starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, bm: int,
+                 bk: int, bn: int, n_k_tiles: int, n_n_tiles: int, k: int, n: int):
+    """Group order[pid // (K tiles x N tiles)]: out[g, K tile, N tile] = lhs_g^T @ dout_g."""
     pid = pl.program_id(0)
     per_group = n_k_tiles * n_n_tiles
-    g, t = lax.div(pid, per_group), lax.rem(pid, per_group)
+    g, t = order_ref[lax.div(pid, per_group)], lax.rem(pid, per_group)
     kk = lax.div(t, n_n_tiles) * bk + jnp.arange(bk)
     nn = lax.rem(t, n_n_tiles) * bn + jnp.arange(bn)
     lo, hi = starts_ref[g], ends_ref[g]
@@ -224,19 +226,21 @@ def _tgmm(lhs, dout, group_sizes, num_groups: int, out_dtype, *, bs: BlockSizes,
     bn = min(bs.t_block_n, max(MIN_BLOCK, pl.next_power_of_2(n)))
     n_k_tiles, n_n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
     starts, ends = _group_bounds(group_sizes, m)
+    # largest groups first: their long row walks start early instead of ending the grid
+    order = jnp.argsort(-(ends - starts)[:-1]).astype(jnp.int32)
     kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn, n_k_tiles=n_k_tiles,
                                n_n_tiles=n_n_tiles, k=k, n=n)
     return pl.pallas_call(
         kernel,
         grid=(num_groups * n_k_tiles * n_n_tiles,),
-        in_specs=[pl.no_block_spec] * 4,
+        in_specs=[pl.no_block_spec] * 5,
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=bs.t_num_warps,
                                                 num_stages=bs.t_num_stages),
         interpret=interpret,
         name=f"tgmm_{bm}x{bk}x{bn}",
-    )(starts[:-1], ends[:-1], lhs, dout)
+    )(order, starts, ends, lhs, dout)
 
 
 # ----------------------------------------------------------------- public API
@@ -273,6 +277,8 @@ def unsupported_reason(lhs, rhs, group_sizes) -> str | None:
     k, n = rhs.shape[1], rhs.shape[2]
     if k % MIN_BLOCK or n % MIN_BLOCK:
         return f"K={k} and N={n} must be multiples of {MIN_BLOCK} (the contracted dims)"
+    if max(lhs.size, lhs.shape[0] * n, rhs.size) >= 2**31:
+        return f"lhs{lhs.shape} x rhs{rhs.shape}: arrays of 2**31 elements or more (int32 offsets)"
     return None
 
 
