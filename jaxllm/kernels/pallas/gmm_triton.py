@@ -74,6 +74,13 @@ class BlockSizes:
                                  f"{MIN_BLOCK}")
 
 
+def default_block_sizes(itemsize: int) -> BlockSizes:
+    """The tiles measured on the H200 (benchmarks/grouped_matmul.py) for 2-byte inputs;
+    4-byte (float32) inputs take half the K step so that the staged tiles fit shared
+    memory."""
+    return BlockSizes() if itemsize <= 2 else BlockSizes(block_k=32)
+
+
 def _step(dim: int, most: int) -> int:
     """The largest power of two <= `most` dividing `dim` (dim a multiple of 16)."""
     step = most
@@ -282,8 +289,8 @@ def unsupported_reason(lhs, rhs, group_sizes) -> str | None:
     return None
 
 
-def _block_sizes(kwargs: dict) -> BlockSizes:
-    bs = kwargs.pop("block_sizes", None) or BlockSizes()
+def _block_sizes(itemsize: int, kwargs: dict) -> BlockSizes:
+    bs = kwargs.pop("block_sizes", None) or default_block_sizes(itemsize)
     if not isinstance(bs, BlockSizes):
         raise ValueError(f"block_sizes must be a gmm_triton.BlockSizes; got "
                          f"{type(bs).__name__}")
@@ -310,7 +317,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None,
     why = unsupported_reason(lhs, rhs, group_sizes)
     if why:
         raise ValueError(f"pallas_triton grouped_matmul cannot take {why}; use impl='xla'")
-    bs = _block_sizes(dict(kwargs))
+    bs = _block_sizes(jnp.dtype(lhs.dtype).itemsize, dict(kwargs))
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
