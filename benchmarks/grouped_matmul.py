@@ -2,6 +2,7 @@
 `jax.lax.ragged_dot` ("xla") and a dense bf16 matmul of the same FLOPs, in one run.
 
     PYTHONPATH=. python benchmarks/grouped_matmul.py [--rounds 5] [--json PATH]
+    PYTHONPATH=. python benchmarks/grouped_matmul.py --tiles block_n=256,num_stages=3
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/grouped_matmul.py --quick   # smoke test
 
 DeepSeek-V3-like expert shapes: 64 experts, d_model 2048, expert width 1408, 16k tokens
@@ -15,7 +16,8 @@ Each case times the forward and forward+backward (the gradients of lhs and rhs) 
 of ragged_dot and of "dense": lhs [M, K] @ w [K, N] with the same M, K, N, so the same
 2 M K N FLOPs (fwd+bwd: 3x that). Figures: TFLOP/s and "x dense", the median per-round
 ratio of the dense matmul's time to the implementation's (the target for ours,
-fwd+bwd: >= 0.7). Before timing, ours is checked against the jnp reference (forward and
+fwd+bwd: >= 0.7). --tiles adds "ours, tiles": ours with other `gmm_triton.BlockSizes`
+fields, timed in the same rounds. Before timing, ours is checked against the jnp reference (forward and
 both gradients) at one shape: --check-tokens tokens, top-8, skewed, up; `check` says how
 it went (max |err| / max |want| <= 2e-2 per output).
 """
@@ -56,13 +58,14 @@ def inputs(m: int, k: int, n: int, sizes: np.ndarray, seed: int):
     return lhs, rhs, jnp.asarray(sizes), dout
 
 
-def gmm_fns(impl: str):
+def gmm_fns(impl: str, **kw):
     """(forward, forward+backward) of one impl: fwd+bwd returns the lhs and rhs grads."""
     def fwd(lhs, rhs, sizes, dout):
-        return grouped_matmul(lhs, rhs, sizes, impl=impl)
+        return grouped_matmul(lhs, rhs, sizes, impl=impl, **kw)
 
     def fwd_bwd(lhs, rhs, sizes, dout):
-        out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, impl=impl), lhs, rhs)
+        out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, impl=impl, **kw),
+                           lhs, rhs)
         return out, *vjp(dout)
     return fwd, fwd_bwd
 
@@ -78,21 +81,21 @@ def dense_fns():
     return fwd, fwd_bwd
 
 
-def check(args) -> str:
+def check(args, name: str = "ours", **kw) -> str:
     """Ours against the reference: forward and both gradients, relative max error."""
-    got = jax.jit(gmm_fns("pallas_triton")[1])(*args)
+    got = jax.jit(gmm_fns("pallas_triton", **kw)[1])(*args)
     want = jax.jit(gmm_fns("reference")[1])(*args)
     errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))
                   / jnp.max(jnp.abs(w.astype(jnp.float32)))) for g, w in zip(got, want)]
     ok = all(e <= TOL for e in errs)
-    print(f"check (out, d lhs, d rhs) max |err| / max |want|: "
+    print(f"check {name} (out, d lhs, d rhs) max |err| / max |want|: "
           + ", ".join(f"{e:.2e}" for e in errs) + f" (tol {TOL:.0e}) {'ok' if ok else 'FAIL'}",
           flush=True)
     return "ok" if ok else "FAIL"
 
 
 def case_rows(shape: dict, top_k: int, kind: str, proj: str, rounds: int,
-              impls: list[str]) -> list[dict]:
+              impls: list[str], tiles: dict | None = None) -> list[dict]:
     d, w, e = shape["d_model"], shape["width"], shape["experts"]
     m = shape["tokens"] * top_k
     k, n = (d, w) if proj == "up" else (w, d)
@@ -100,6 +103,8 @@ def case_rows(shape: dict, top_k: int, kind: str, proj: str, rounds: int,
     args = inputs(m, k, n, sizes, seed=top_k + 1)
     flops = 2 * m * k * n
     fns = {name: gmm_fns(name) for name in impls}
+    if tiles:
+        fns["ours, tiles"] = gmm_fns("pallas_triton", **tiles)
     fns["dense"] = dense_fns()
 
     def failed(name, err):
@@ -130,22 +135,28 @@ def main(argv=None) -> list[dict]:
                     help="tokens of the correctness check's shape (top-8, skewed, up)")
     ap.add_argument("--no-xla", action="store_true",
                     help="leave out jax.lax.ragged_dot (slow on the GPU)")
+    ap.add_argument("--tiles", default="", metavar="FIELD=INT,...",
+                    help="also time ours with these BlockSizes fields (e.g. block_n=256)")
     args = add_args(ap).parse_args(argv)
+    tiles = {k: int(v) for k, v in (kv.split("=") for kv in args.tiles.split(",") if kv)}
     shape = QUICK if args.quick else FULL
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; {shape['experts']} "
           f"experts, d {shape['d_model']}, width {shape['width']}, {shape['tokens']} "
           f"tokens, bf16", flush=True)
     check_tokens = shape["tokens"] if args.quick else args.check_tokens
     m = check_tokens * 8
-    status = check(inputs(m, shape["d_model"], shape["width"],
-                          group_sizes(m, shape["experts"], "skewed", 0), 0))
+    check_args = inputs(m, shape["d_model"], shape["width"],
+                        group_sizes(m, shape["experts"], "skewed", 0), 0)
+    status = check(check_args)
+    if tiles:
+        status += ", tiles " + check(check_args, "ours, tiles", **tiles)
     impls = ["pallas_triton"] + ([] if args.no_xla else ["xla"])
     rows = []
     for top_k in shape["top_ks"]:
         for kind in ("balanced", "skewed"):
             for proj in ("up", "down"):
-                rows += case_rows(shape, top_k, kind, proj, args.rounds, impls)
-    write_json(args.json, rows, shape=shape, check=status)
+                rows += case_rows(shape, top_k, kind, proj, args.rounds, impls, tiles)
+    write_json(args.json, rows, shape=shape, check=status, tiles=tiles)
     print_table(rows, ["proj", "top_k", "groups", "M", "K", "N", "mode", "impl", "ms",
                        "TFLOP/s", "x dense"],
                 title=f"grouped matmul, bf16, {args.rounds} interleaved rounds; "
