@@ -26,10 +26,12 @@ float32. An empty group walks no rows and stores zeros. Programs of one group ar
 (they share its rows in L2), the groups in order of decreasing size (with skewed routing
 the largest group's programs are the longest; started last, they would end the grid alone).
 
-Products accumulate in float32 (float32 inputs with full-precision products: no TF32).
-The contracted dims of forward and d lhs (K and N) must be multiples of 16, the least
+Products accumulate in float32 (float32 inputs with full-precision products: no TF32);
+the backward runs in the inputs' dtype (the output cotangent is cast to it). The
+contracted dims of forward and d lhs (K and N) must be multiples of 16, the least
 Triton's dot takes; the step along them is the largest power of two <= `block_k` that
 divides them. Rows, and the output columns, need not be tile multiples (masked).
+Offsets are int32: every array must hold fewer than 2**31 elements.
 """
 from __future__ import annotations
 
