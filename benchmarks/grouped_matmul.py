@@ -17,9 +17,10 @@ of ragged_dot and of "dense": lhs [M, K] @ w [K, N] with the same M, K, N, so th
 2 M K N FLOPs (fwd+bwd: 3x that). Figures: TFLOP/s and "x dense", the median per-round
 ratio of the dense matmul's time to the implementation's (the target for ours,
 fwd+bwd: >= 0.7). --tiles adds "ours, tiles": ours with other `gmm_triton.BlockSizes`
-fields, timed in the same rounds. Before timing, ours is checked against the jnp reference (forward and
-both gradients) at one shape: --check-tokens tokens, top-8, skewed, up; `check` says how
-it went (max |err| / max |want| <= 2e-2 per output).
+fields, timed in the same rounds. Before timing, ours (and ours with --tiles) is checked
+against the jnp reference (forward and both gradients) at one shape: --check-tokens
+tokens, top-8, skewed, up; `check` says how it went (max |err| / max |want| <= 2e-2 per
+output).
 """
 from __future__ import annotations
 
