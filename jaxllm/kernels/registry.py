@@ -101,6 +101,8 @@ IMPLS = (
     Impl("mla", "reference", f"{_REF}:mla_decode"),
     Impl("mla", "pallas_triton", f"{_PALLAS}.mla_triton:mla_decode",
          platforms=_INTERPRETED, check=f"{_PALLAS}.mla_triton:unsupported_reason"),
+    Impl("gmm", "pallas_triton", f"{_PALLAS}.gmm_triton:grouped_matmul",
+         platforms=_INTERPRETED, check=f"{_PALLAS}.gmm_triton:unsupported_reason"),
 )
 
 # The fastest correct implementation first (docs/performance.md). Flash: our Mosaic kernel
@@ -119,6 +121,7 @@ AUTO = (
     AutoOrder("ragged", None, ("reference",)),
     AutoOrder("matmul", "gpu", ("pallas_triton", "xla")),
     AutoOrder("matmul", None, ("xla",)),
+    AutoOrder("gmm", "gpu", ("pallas_triton", "xla")),
     AutoOrder("gmm", None, ("xla",)),
     AutoOrder("mla", "gpu", ("pallas_triton", "reference")),
     AutoOrder("mla", None, ("reference",)),
