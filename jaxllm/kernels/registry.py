@@ -98,11 +98,11 @@ IMPLS = (
          platforms=_INTERPRETED, check=f"{_PALLAS}.gemv_triton:unsupported_reason"),
     Impl("gmm", "reference", f"{_REF}:grouped_matmul"),
     Impl("gmm", "xla", f"{_XLA}:grouped_matmul"),
+    Impl("gmm", "pallas_triton", f"{_PALLAS}.gmm_triton:grouped_matmul",
+         platforms=_INTERPRETED, check=f"{_PALLAS}.gmm_triton:unsupported_reason"),
     Impl("mla", "reference", f"{_REF}:mla_decode"),
     Impl("mla", "pallas_triton", f"{_PALLAS}.mla_triton:mla_decode",
          platforms=_INTERPRETED, check=f"{_PALLAS}.mla_triton:unsupported_reason"),
-    Impl("gmm", "pallas_triton", f"{_PALLAS}.gmm_triton:grouped_matmul",
-         platforms=_INTERPRETED, check=f"{_PALLAS}.gmm_triton:unsupported_reason"),
 )
 
 # The fastest correct implementation first (docs/performance.md). Flash: our Mosaic kernel
