@@ -3,10 +3,10 @@
     cfg = load_config("configs/tiny.yaml", overrides=["model.n_layers=2", "train.lr=1e-3"])
 
 Sections are frozen dataclasses, some with nested ones (`inference.speculative`,
-`model.rope_scaling`), built from YAML mappings by one generic builder: unknown keys are
-errors with a did-you-mean, types are checked (a `Literal` field takes one of its values),
-each section checks its own values when built, and `Config.check` the ones that span
-sections. Nothing is silently clamped or ignored.
+`model.rope_scaling`, `model.mla`), built from YAML mappings by one generic builder:
+unknown keys are errors with a did-you-mean, types are checked (a `Literal` field takes
+one of its values), each section checks its own values when built, and `Config.check`
+the ones that span sections. Nothing is silently clamped or ignored.
 """
 from __future__ import annotations
 
@@ -42,26 +42,105 @@ def _positive(section: str, obj, names) -> None:
             raise ConfigError(f"{section}.{name}={getattr(obj, name)} must be positive")
 
 
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """model.rope_scaling, Llama 3.1's frequency scaling: wavelengths longer than
-    original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
-    shorter than original_max_position_embeddings / high_freq_factor are kept."""
-    rope_type: Literal["llama3"]
+    """model.rope_scaling, one of two kinds of long-context frequency scaling.
+
+    "llama3" (Llama 3.1): wavelengths longer than original_max_position_embeddings /
+    low_freq_factor are stretched by `factor`, those shorter than
+    original_max_position_embeddings / high_freq_factor are kept.
+    "yarn" (YaRN, as DeepSeek and transformers define it): frequencies that turn fewer than
+    beta_slow times over original_max_position_embeddings are divided by `factor`, those
+    turning more than beta_fast times are kept, a linear ramp between; cos and sin are
+    multiplied by mscale(factor, mscale) / mscale(factor, mscale_all_dim), and MLA's softmax
+    scale by mscale(factor, mscale_all_dim)^2, with mscale(s, m) = 0.1 m ln(s) + 1 (1 for
+    s <= 1). Unset yarn fields take transformers' defaults (32, 1, 1, 0); each kind takes
+    only its own fields.
+    """
+    rope_type: Literal["llama3", "yarn"]
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None  # yarn
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def __post_init__(self):
-        for name in ("factor", "low_freq_factor", "high_freq_factor",
-                     "original_max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.rope_scaling.{name}={getattr(self, name)!r} must be "
-                                  f"a positive number")
-        if self.high_freq_factor <= self.low_freq_factor:
+        own = (("low_freq_factor", "high_freq_factor") if self.rope_type == "llama3"
+               else tuple(_YARN_DEFAULTS))
+        other = [n for n in ("low_freq_factor", "high_freq_factor", *_YARN_DEFAULTS)
+                 if n not in own and getattr(self, n) is not None]
+        if other:
+            raise ConfigError(f"model.rope_scaling.rope_type={self.rope_type!r} takes no "
+                              f"{', '.join(other)}; delete them or change rope_type")
+        required = (*own, "factor", "original_max_position_embeddings")
+        missing = [n for n in required if self.resolved(n) is None]
+        if missing:
+            raise ConfigError(f"model.rope_scaling ({self.rope_type}) lacks "
+                              f"{', '.join(missing)}")
+        for name in required:
+            value, at_least = self.resolved(name), ("0" if name.startswith("mscale") else "")
+            if value < 0 or value == 0 and not at_least:
+                raise ConfigError(f"model.rope_scaling.{name}={value!r} must be "
+                                  + ("at least 0" if at_least else "a positive number"))
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ConfigError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor} "
                               f"must exceed low_freq_factor={self.low_freq_factor}")
+        if self.rope_type == "yarn" and self.resolved("beta_fast") <= self.resolved("beta_slow"):
+            raise ConfigError(f"model.rope_scaling.beta_fast={self.resolved('beta_fast')} must "
+                              f"exceed beta_slow={self.resolved('beta_slow')}")
+
+    def resolved(self, name: str) -> float:
+        """A field's value, yarn's defaults filled in."""
+        value = getattr(self, name)
+        return _YARN_DEFAULTS[name] if value is None and self.rope_type == "yarn" else value
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """model.mla, multi-head latent attention (DeepSeek-V2/V3). Queries: x -> q_lora_rank
+    (RMSNorm) -> per head [nope | rope], or x -> per head directly (q_lora_rank 0 / null).
+    Keys and values: x -> [latent (kv_lora_rank, RMSNorm) | k_rope (qk_rope_head_dim, one
+    for all heads)], the latent -> per head [k_nope (qk_nope_head_dim) | v (v_head_dim)].
+    Decoding caches kv_lora_rank + qk_rope_head_dim values per token and layer."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    def __post_init__(self):
+        _positive("model.mla", self, ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                      "v_head_dim"))
+        if self.q_lora_rank is not None and self.q_lora_rank < 0:
+            raise ConfigError(f"model.mla.q_lora_rank={self.q_lora_rank} must be positive, or "
+                              f"0 / null for full-rank queries")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be "
+                              f"even for rotary embeddings")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Cached values per token and layer: the latent and the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def num_params(self, d_model: int, n_heads: int) -> int:
+        """Parameters of one MLA layer, its two latent norms included."""
+        ql, r = self.q_lora_rank, self.kv_lora_rank
+        q_out = n_heads * self.qk_head_dim
+        q = d_model * ql + ql + ql * q_out if ql else d_model * q_out
+        kv = d_model * self.latent_dim + r + r * n_heads * (self.qk_nope_head_dim
+                                                             + self.v_head_dim)
+        return q + kv + n_heads * self.v_head_dim * d_model
 
 
 @dataclass(frozen=True)
@@ -75,6 +154,8 @@ class ModelConfig:
     mlp_dim: int = 512
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    attention: Literal["gqa", "mla"] = "gqa"  # mla: multi-head latent attention, model.mla
+    mla: MLAConfig | None = None
     sliding_window: int | None = None  # attend to the last `sliding_window` keys (Mistral)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -110,6 +191,20 @@ class ModelConfig:
                               f"(or null for full attention)")
         if self.mtp_depth < 0:
             raise ConfigError(f"model.mtp_depth={self.mtp_depth} must be >= 0")
+        if (self.attention == "mla") != (self.mla is not None):
+            raise ConfigError(f"model.attention={self.attention!r} "
+                              + ("needs a model.mla section (kv_lora_rank, qk_nope_head_dim, "
+                                 "qk_rope_head_dim, v_head_dim)" if self.mla is None else
+                                 "takes no model.mla section; set model.attention=mla or "
+                                 "delete model.mla"))
+        if self.mla is not None:
+            unused = [f"{n}={getattr(self, n)}" for n, off in (
+                ("n_kv_heads", self.n_heads), ("head_dim", None), ("qkv_bias", False),
+                ("qk_norm", False), ("sliding_window", None)) if getattr(self, n) != off]
+            if unused:
+                raise ConfigError(f"model.attention='mla' sets its own head shapes (model.mla) "
+                                  f"and takes no {', '.join(unused)}: set n_kv_heads = n_heads"
+                                  f" and leave the others unset")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -119,6 +214,8 @@ class ModelConfig:
         """Parameter count of the decoder (MTP modules excluded)."""
         d, hd = self.d_model, self.resolved_head_dim
         attn = d * hd * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hd * d
+        if self.mla is not None:
+            attn = self.mla.num_params(d, self.n_heads)
         layer = attn + 3 * d * self.mlp_dim + 2 * d
         n = self.n_layers * layer + d
         if embeddings:
@@ -126,14 +223,17 @@ class ModelConfig:
         return n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 N_non-embedding + 12 L H D S (attention, no causal halving).
+        """Training FLOPs per token: 6 N_non-embedding + 12 L H D S (attention, no causal halving;
+        with MLA 6 L H (D_qk + D_v) S: scores over the query-key dim, values over D_v).
 
         The LM head matmul is counted as part of N when embeddings are untied.
         """
         n = self.num_params(embeddings=False)
         if not self.tie_embeddings:
             n += self.vocab_size * self.d_model
-        attn = 12 * self.n_layers * self.n_heads * self.resolved_head_dim * seq_len
+        dims = (2 * self.resolved_head_dim if self.mla is None
+                else self.mla.qk_head_dim + self.mla.v_head_dim)
+        attn = 6 * self.n_layers * self.n_heads * dims * seq_len
         return 6 * n + attn
 
 

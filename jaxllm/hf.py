@@ -173,6 +173,9 @@ def config_json(cfg: Config, bos_id: int | None = None, eos_id: int | None = Non
     """The HF config.json of our model config: Qwen3 with q/k head norms, Qwen2 with q/k/v
     biases, else Mistral with a sliding window, else Llama."""
     m = cfg.model
+    if m.attention != "gqa":
+        raise ValueError(f"model.attention={m.attention!r} has no Hugging Face export here; "
+                         f"only grouped-query attention models are exported")
     if m.qk_norm and m.qkv_bias:
         raise ValueError("model.qk_norm with model.qkv_bias has no Hugging Face family "
                          "(Qwen3's attention_bias also biases o_proj); set one of them false")
@@ -185,7 +188,8 @@ def config_json(cfg: Config, bos_id: int | None = None, eos_id: int | None = Non
          "head_dim": m.resolved_head_dim, "hidden_act": "silu",
          "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
          "rope_theta": m.rope_theta,
-         "rope_scaling": dataclasses.asdict(m.rope_scaling) if m.rope_scaling else None,
+         "rope_scaling": {k: v for k, v in dataclasses.asdict(m.rope_scaling).items()
+                          if v is not None} if m.rope_scaling else None,
          "tie_word_embeddings": m.tie_embeddings, "bos_token_id": bos_id,
          "eos_token_id": eos_id, "torch_dtype": m.param_dtype}
     if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):

@@ -18,6 +18,12 @@ most its last, partly filled page. `PageAllocator` is the host bookkeeping (refc
 forks with copy-on-write of a shared, partly filled last page, `OutOfPagesError` before
 anything changes); `PagePool` ties the pool arrays to it for eager use; `token_slots`,
 `write_kv`, `write_layer` and `copy_pages` are the pure device functions.
+
+`LatentCache`: multi-head latent attention (model.attention mla) caches one latent per token
+and layer instead of per-head K/V: c [B, max_len, kv_lora_rank + qk_rope_head_dim], the
+normed key-value latent and the shared rotary key. `write(layer, latent, None, positions)`
+stores it; `attend` is multi-query attention of the absorbed queries over it, the latent
+serving as the key and its first kv_lora_rank values as the value.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxllm.kernels import decode_attention, paged_attention, ragged_paged_attention
 from jaxllm.kernels.reference import gather_pages
@@ -441,3 +448,50 @@ class RaggedPagedCache(NamedTuple):
         o = ragged_paged_attention(q[0].astype(self.k.dtype), self.k, self.v,
                                    self.block_tables, self.kv_lens, self.q_starts, layer=layer)
         return o[None]
+
+
+@struct.dataclass
+class LatentCache:
+    """Per-layer tuples of latents c [B, max_len, rank + rope] in the compute dtype: exactly
+    kv_lora_rank + qk_rope_head_dim values per token and layer."""
+    c: tuple
+    rank: int = struct.field(pytree_node=False)  # kv_lora_rank: the value part of c
+
+    @classmethod
+    def init(cls, n_layers, batch, max_len, latent_dim, rank, dtype) -> "LatentCache":
+        return cls(tuple(jnp.zeros((batch, max_len, latent_dim), dtype)
+                         for _ in range(n_layers)), rank)
+
+    @property
+    def max_len(self) -> int:
+        return self.c[0].shape[1]
+
+    @property
+    def dtype(self):
+        return self.c[0].dtype
+
+    def write(self, layer: int, k, v, positions) -> "LatentCache":
+        """k: the latents (B, S, rank + rope) at positions (B, S); v is None (the latent is
+        its own value)."""
+        if v is not None or k.shape[-1] != self.c[layer].shape[-1]:
+            raise ValueError(f"LatentCache.write takes latents (B, S, "
+                             f"{self.c[layer].shape[-1]}) and v=None; got {k.shape}")
+        rows = jnp.arange(k.shape[0])[:, None]
+        c = self.c[layer].at[rows, positions].set(k.astype(self.dtype))
+        return self.replace(c=self.c[:layer] + (c,) + self.c[layer + 1:])
+
+    def attend(self, layer: int, q, positions, *, sm_scale: float, window: int | None = None,
+               impl: str = "auto", counters=None):
+        """Absorbed queries q (B, S, H, rank + rope) over the cached latents, each query
+        seeing keys at positions <= its own -> (B, S, H, rank), the attended latent (the
+        caller projects it to per-head values). Plain einsums with the softmax in float32;
+        `impl` and `counters` are the protocol's and go unused."""
+        if window is not None:
+            raise ValueError("multi-head latent attention has no sliding window")
+        c = self.c[layer]
+        s = jnp.einsum("bshk,btk->bhst", q.astype(self.dtype), c,
+                       preferred_element_type=jnp.float32) * sm_scale
+        visible = jnp.arange(c.shape[1])[None, None, :] <= positions[:, :, None]  # (B, S, T)
+        s = jnp.where(visible[:, None], s, -1e30)
+        p = jax.nn.softmax(s, axis=-1).astype(self.dtype)
+        return jnp.einsum("bhst,btr->bshr", p, c[..., :self.rank])

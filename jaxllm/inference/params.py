@@ -1,7 +1,9 @@
 """Training parameters -> `DecodeParams`, the parameters of the decode program, made once.
 
 Per layer (no stacked [L, ...] arrays, so a step reads each weight in place), q/k/v joined
-into one weight and gate/up into another, every weight stored out-major ([*out, in]: each
+into one weight and gate/up into another (multi-head latent attention: its projections,
+kv_b split into the key part W_uk the queries are absorbed through and the value part
+W_uv), every weight stored out-major ([*out, in]: each
 output's weights contiguous, the layout of the fused decode matmuls), all cast to the
 compute dtype. The model's config and the row limit of the fused kernels ride along as
 static fields, so a jitted step needs nothing else.
@@ -16,7 +18,7 @@ from flax import nnx, struct
 
 from jaxllm.config import Config, ModelConfig
 from jaxllm.kernels import pick
-from jaxllm.model.layers import as_dtype
+from jaxllm.model.layers import as_dtype, rope_magnitude
 
 # Steps of at most this many rows (batch x new tokens) run each layer in the fused decode
 # matmuls when they are picked; XLA's matmuls do better above (docs/performance.md).
@@ -37,17 +39,34 @@ class LayerParams:
 
 
 @struct.dataclass
+class MLALayerParams:
+    """A multi-head latent attention layer (model/mla.py) in the absorbed decode layout."""
+    attn_norm: jax.Array  # [d]
+    q_a: jax.Array | None  # [q_lora_rank, d]; None: full-rank queries (q_b is then x -> q)
+    q_a_norm: jax.Array | None  # [q_lora_rank]
+    q_b: jax.Array  # [H, Dqk, q_lora_rank or d]
+    kv_a: jax.Array  # [kv_lora_rank + rope, d]
+    kv_norm: jax.Array  # [kv_lora_rank]
+    w_uk: jax.Array  # [H, nope, kv_lora_rank]: the latent -> each head's k_nope
+    w_uv: jax.Array  # [H, Dv, kv_lora_rank]: the latent -> each head's v
+    o: jax.Array  # [d, H * Dv]
+    mlp_norm: jax.Array  # [d]
+    gate_up: jax.Array  # [2, F, d]
+    down: jax.Array  # [d, F]
+
+
+@struct.dataclass
 class MTPParams:
     h_norm: jax.Array  # [d]
     e_norm: jax.Array  # [d]
     proj: jax.Array  # [d, 2 d]
-    block: LayerParams
+    block: LayerParams | MLALayerParams
 
 
 @struct.dataclass
 class DecodeParams:
     embed: jax.Array  # [V, d]
-    layers: tuple  # of LayerParams, one per layer
+    layers: tuple  # of LayerParams (or MLALayerParams), one per layer
     final_norm: jax.Array  # [d]
     head: jax.Array | None  # [V, d]; None: tied to the embedding
     mtp: tuple  # of MTPParams, one per MTP module (empty without them)
@@ -64,7 +83,26 @@ def _out_major(w, n_in: int = 1):
     return jnp.moveaxis(w, tuple(range(n_in)), tuple(range(w.ndim - n_in, w.ndim)))
 
 
-def _layer(blk: dict) -> LayerParams:
+def _mla_layer(blk: dict, nope: int) -> MLALayerParams:
+    attn, mlp = blk["attn"], blk["mlp"]
+    low_rank = "q_a" in attn
+    kv_b = _out_major(attn["kv_b"]["kernel"])  # [H, nope + Dv, rank]
+    o = attn["o"]["kernel"]  # [H, Dv, d]
+    return MLALayerParams(
+        attn_norm=blk["attn_norm"]["scale"],
+        q_a=_out_major(attn["q_a"]["kernel"]) if low_rank else None,
+        q_a_norm=attn["q_a_norm"]["scale"] if low_rank else None,
+        q_b=_out_major(attn["q_b" if low_rank else "q"]["kernel"]),
+        kv_a=_out_major(attn["kv_a"]["kernel"]), kv_norm=attn["kv_norm"]["scale"],
+        w_uk=kv_b[:, :nope], w_uv=kv_b[:, nope:],
+        o=_out_major(o, 2).reshape(o.shape[-1], -1), mlp_norm=blk["mlp_norm"]["scale"],
+        gate_up=_out_major(jnp.stack([mlp["gate"]["kernel"], mlp["up"]["kernel"]], axis=1)),
+        down=_out_major(mlp["down"]["kernel"]))
+
+
+def _layer(blk: dict, cfg: ModelConfig) -> LayerParams | MLALayerParams:
+    if cfg.mla is not None:
+        return _mla_layer(blk, cfg.mla.qk_nope_head_dim)
     attn, mlp = blk["attn"], blk["mlp"]
     qkv = jnp.concatenate([attn[n]["kernel"] for n in "qkv"], axis=1)  # [d, Hq + 2 Hkv, D]
     bias = (jnp.concatenate([attn[n]["bias"] for n in "qkv"], axis=0)
@@ -82,6 +120,12 @@ def _layer(blk: dict) -> LayerParams:
 def _fused_rows(m: ModelConfig, impl: str) -> int:
     """FUSED_ROWS when `impl` (inference.matmul_impl) picks the fused decode matmuls for
     every projection of a layer, else 0. An explicit pick they cannot take raises."""
+    if m.attention == "mla" or rope_magnitude(m.rope_scaling) != 1.0:
+        if impl == "pallas_triton":
+            raise ValueError("inference.matmul_impl='pallas_triton': the fused decode matmuls "
+                             "take grouped-query attention with unscaled RoPE magnitudes (no "
+                             "MLA, no YaRN mscale); use 'auto' or 'xla'")
+        return 0
     for flag, what in (("qkv_bias", "no q/k/v bias"), ("qk_norm", "no q/k head norm")):
         if getattr(m, flag):
             if impl == "pallas_triton":
@@ -115,9 +159,10 @@ def decode_params(model, cfg: Config, *, fused_rows: int | None = None) -> Decod
 def _convert(state: dict, cfg: ModelConfig, fused_rows: int) -> DecodeParams:
     dtype = as_dtype(cfg.dtype)
     blocks = state["blocks"]
-    layers = tuple(_layer(jax.tree.map(lambda a, i=i: a[i], blocks)) for i in range(cfg.n_layers))
+    layers = tuple(_layer(jax.tree.map(lambda a, i=i: a[i], blocks), cfg)
+                   for i in range(cfg.n_layers))
     mtp = tuple(MTPParams(h_norm=m["h_norm"]["scale"], e_norm=m["e_norm"]["scale"],
-                          proj=_out_major(m["proj"]["kernel"]), block=_layer(m["block"]))
+                          proj=_out_major(m["proj"]["kernel"]), block=_layer(m["block"], cfg))
                 for _, m in sorted((state.get("mtp") or {"layers": {}})["layers"].items()))
     head = state.get("head")
     params = DecodeParams(embed=state["embed"]["embedding"], layers=layers,

@@ -155,6 +155,10 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
                  window_steps: int = 1):
         c = params.cfg
+        if c.mla is not None:
+            raise ValueError("the serving engine's page pool holds per-head K/V; a model with "
+                             "model.attention='mla' decodes through jaxllm.generate (its "
+                             "latent cache) for now")
         self.params = params
         self.num_pages, self.page_size = num_pages, page_size
         self.max_num_seqs, self.max_pages_per_seq = max_num_seqs, max_pages_per_seq

@@ -9,6 +9,12 @@ decoding and speculative verification attend over the cache. Which kernel runs i
 kernel registry's pick (`jaxllm.kernels`); steps of at most `params.fused_rows` rows over
 a contiguous cache run each layer in the fused decode matmuls (their `pallas_triton`
 implementation, picked once by `decode_params`) instead of XLA's.
+
+Multi-head latent attention layers cache their latent (`LatentCache`). Prefill expands it
+to per-head K/V and runs the flash kernel (query-key dim nope + rope, value dim v_head_dim);
+decoding runs the absorbed form: each head's q_nope is taken through W_uk into the latent
+space, attention is multi-query over the cached latents, and the attended latent goes
+through W_uv to the head's values before the output projection.
 """
 from __future__ import annotations
 
@@ -16,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.inference.cache import ContiguousCache
-from jaxllm.inference.params import DecodeParams, LayerParams
+from jaxllm.inference.cache import ContiguousCache, LatentCache
+from jaxllm.inference.params import DecodeParams, LayerParams, MLALayerParams
 from jaxllm.kernels import decode_matmul, flash_attention
 from jaxllm.kernels.xla import cached_attention
-from jaxllm.model.layers import apply_rope, as_dtype, rope_frequencies
+from jaxllm.model.layers import apply_rope, as_dtype, rope_frequencies, softmax_scale_factor
 
 
 def round_up(n: int, m: int) -> int:
@@ -54,10 +60,15 @@ def pad_prompts(prompts: list[list[int]], multiple: int = 16):
 
 
 def init_cache(params: DecodeParams, batch: int, max_len: int, n_layers: int | None = None):
-    """A zeroed contiguous cache for `n_layers` layers (default: the model's)."""
+    """A zeroed contiguous cache for `n_layers` layers (default: the model's); the latent
+    cache for a multi-head latent attention model."""
     c = params.cfg
-    return ContiguousCache.init(params.n_layers if n_layers is None else n_layers, batch,
-                                max_len, c.n_kv_heads, c.resolved_head_dim, as_dtype(c.dtype))
+    n_layers = params.n_layers if n_layers is None else n_layers
+    if c.mla is not None:
+        return LatentCache.init(n_layers, batch, max_len, c.mla.latent_dim,
+                                c.mla.kv_lora_rank, as_dtype(c.dtype))
+    return ContiguousCache.init(n_layers, batch, max_len, c.n_kv_heads, c.resolved_head_dim,
+                                as_dtype(c.dtype))
 
 
 def rms_norm(x, scale, eps: float):
@@ -98,6 +109,8 @@ def _attention(cfg, q, k, v, positions, cache, layer, prefill: bool):
 def block(cfg, lp: LayerParams, x, positions, cache, layer: int, *, prefill: bool = False,
           fused: bool = False):
     """One transformer block over x (B, S, d) at positions (B, S). Returns (x, cache)."""
+    if isinstance(lp, MLALayerParams):
+        return _mla_block(cfg, lp, x, positions, cache, layer, prefill=prefill)
     if fused:
         return _fused_block(cfg, lp, x, positions, cache, layer)
     b, s, _ = x.shape
@@ -113,6 +126,39 @@ def block(cfg, lp: LayerParams, x, positions, cache, layer: int, *, prefill: boo
     o = _attention(cfg, q, k, v, positions, cache, layer, prefill)  # (B, S, Hq, D)
     x = x + dense(o.reshape(b, s, -1), lp.o)
     gate_up = dense(rms_norm(x, lp.mlp_norm, cfg.norm_eps), lp.gate_up)  # (B, S, 2, F)
+    return x + dense(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], lp.down), cache
+
+
+def _mla_block(cfg, lp: MLALayerParams, x, positions, cache: LatentCache, layer: int, *,
+               prefill: bool):
+    """A multi-head latent attention block (model/mla.py's numbers): the latent written to
+    the cache, attention expanded (prefill) or absorbed (decoding)."""
+    b, s, _ = x.shape
+    mla, eps = cfg.mla, cfg.norm_eps
+    nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
+    h = rms_norm(x, lp.attn_norm, eps)
+    q_in = h if lp.q_a is None else rms_norm(dense(h, lp.q_a), lp.q_a_norm, eps)
+    q = dense(q_in, lp.q_b)  # (B, S, H, Dqk)
+    q_rope = apply_rope(q[..., nope:], positions, cfg.rope_theta, cfg.rope_scaling)
+    ckv = dense(h, lp.kv_a)  # (B, S, rank + rope)
+    c = rms_norm(ckv[..., :rank], lp.kv_norm, eps)
+    k_rope = apply_rope(ckv[:, :, None, rank:], positions, cfg.rope_theta, cfg.rope_scaling)
+    cache = cache.write(layer, jnp.concatenate([c, k_rope[:, :, 0]], axis=-1), None, positions)
+    sm_scale = mla.qk_head_dim ** -0.5 * softmax_scale_factor(cfg.rope_scaling)
+    if prefill:  # per-head K/V from the latent, the flash kernel
+        k_nope = jnp.einsum("bsr,hnr->bshn", c, lp.w_uk)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3],
+                                                                k_rope.shape[-1]))], axis=-1)
+        v = jnp.einsum("bsr,hvr->bshv", c, lp.w_uv)
+        q = jnp.concatenate([q[..., :nope], q_rope], axis=-1)
+        o = flash_attention(q, k, v, causal=True, sm_scale=sm_scale, impl=cfg.attention_impl)
+    else:  # absorbed: q_nope into the latent space, MQA over the cached latents
+        q_lat = jnp.einsum("bshn,hnr->bshr", q[..., :nope], lp.w_uk)
+        o_lat = cache.attend(layer, jnp.concatenate([q_lat, q_rope], axis=-1), positions,
+                             sm_scale=sm_scale)  # (B, S, H, rank)
+        o = jnp.einsum("bshr,hvr->bshv", o_lat, lp.w_uv)
+    x = x + dense(o.reshape(b, s, -1), lp.o)
+    gate_up = dense(rms_norm(x, lp.mlp_norm, eps), lp.gate_up)  # (B, S, 2, F)
     return x + dense(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], lp.down), cache
 
 

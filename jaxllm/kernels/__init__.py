@@ -20,8 +20,9 @@ def _check_flash_inputs(q, k, v):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"flash_attention wants q, k, v of rank 4 [B, S, H, D]; got "
                          f"q{q.shape} k{k.shape} v{v.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"k{k.shape} and v{v.shape} must have the same shape")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k{k.shape} and v{v.shape} must agree in batch, length and heads "
+                         f"(their head dims may differ)")
     b, sq, hq, d = q.shape
     bk, skv, hkv, dk = k.shape
     if b != bk or d != dk:
@@ -39,11 +40,14 @@ def _check_flash_inputs(q, k, v):
 
 def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
                     impl: str = "auto", **kwargs):
-    """Multi-head attention, q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] -> [B, Sq, Hq, D].
+    """Multi-head attention, q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv]
+    -> [B, Sq, Hq, Dv].
 
-    Hq % Hkv == 0 (MHA, GQA, MQA). Causal with Sq != Skv is bottom-right aligned: query
-    i sees keys j <= i + (Skv - Sq). `sm_scale` defaults to 1/sqrt(D). Differentiable.
-    Extra keyword arguments (e.g. block sizes) go to the chosen implementation.
+    Hq % Hkv == 0 (MHA, GQA, MQA). The value head dim Dv may differ from the query-key
+    dim D (MLA: D = nope + rope dims, Dv = v_head_dim). Causal with Sq != Skv is
+    bottom-right aligned: query i sees keys j <= i + (Skv - Sq). `sm_scale` defaults to
+    1/sqrt(D). Differentiable. Extra keyword arguments (e.g. block sizes) go to the
+    chosen implementation.
     """
     _check_flash_inputs(q, k, v)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)

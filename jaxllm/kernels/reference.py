@@ -30,8 +30,9 @@ def attention_scores(q, k, sm_scale):
 def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | None = None):
     """Attention and its log-sum-exp.
 
-    q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] -> (o [B, Sq, Hq, D] in q.dtype,
-    lse [B, Hq, Sq] float32, the natural log of the softmax denominator, scale included).
+    q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv] -> (o [B, Sq, Hq, Dv] in
+    q.dtype, lse [B, Hq, Sq] float32, the natural log of the softmax denominator, scale
+    included).
     """
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
@@ -44,11 +45,12 @@ def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | 
     l = p.sum(-1, keepdims=True)
     o = jnp.einsum("bhgqk,bkhd->bqhgd", p / l, v.astype(jnp.float32), precision=EXACT)
     lse = (m + jnp.log(l))[..., 0].reshape(b, hq, sq)
-    return o.reshape(b, sq, hq, d).astype(q.dtype), lse
+    return o.reshape(b, sq, hq, v.shape[-1]).astype(q.dtype), lse
 
 
 def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None):
-    """q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] -> o [B, Sq, Hq, D]; see kernels.flash_attention."""
+    """q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [.., Dv] -> o [B, Sq, Hq, Dv]; see
+    kernels.flash_attention."""
     return flash_attention_with_lse(q, k, v, causal=causal, sm_scale=sm_scale)[0]
 
 

@@ -2,7 +2,7 @@
 
 Ops and their arguments (what `pick` and an entry's `check` receive as inputs):
 
-  flash    q [B, Sq, Hq, D], k, v [B, Skv, Hkv, D]           (kernels.flash_attention)
+  flash    q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [.., Dv]  (kernels.flash_attention)
   paged    q [B, Hq, D], k_pages [(L,) Hkv, P, page, D]        (kernels.paged_attention)
   decode   q [B, S, Hq, D], k_cache [B, Hkv, T, D]             (kernels.decode_attention)
   ragged   q [T, Hq, D], k_pages [(L,) Hkv, P, page, D]        (kernels.ragged_paged_attention)
@@ -76,7 +76,8 @@ IMPLS = (
          with_lse=f"{_REF}:flash_attention_with_lse"),
     # plain einsums; its math is the reference's, whose LSE function stands in for it
     Impl("flash", "xla", f"{_XLA}:xla_attention", with_lse=f"{_REF}:flash_attention_with_lse"),
-    Impl("flash", "cudnn", f"{_XLA}:cudnn_attention", platforms=("gpu",), dtypes=_HALF),
+    Impl("flash", "cudnn", f"{_XLA}:cudnn_attention", platforms=("gpu",), dtypes=_HALF,
+         check=f"{_XLA}:cudnn_unsupported_reason"),
     Impl("flash", "pallas_triton", f"{_PALLAS}.flash_triton:flash_attention",
          platforms=_INTERPRETED, with_lse=f"{_PALLAS}.flash_triton:flash_attention_with_lse",
          check=f"{_PALLAS}.flash_triton:unsupported_reason"),

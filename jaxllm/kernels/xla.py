@@ -18,7 +18,15 @@ def xla_attention(q, k, v, *, causal: bool, sm_scale: float):
         s = jnp.where(causal_mask(sq, skv), s, NEG_INF)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v)
-    return o.reshape(b, sq, hq, d)
+    return o.reshape(b, sq, hq, v.shape[-1])
+
+
+def cudnn_unsupported_reason(q, k, v) -> str | None:
+    """None when `jax.nn.dot_product_attention` takes these inputs, else why not."""
+    if k.shape[-1] != v.shape[-1]:
+        return (f"cudnn (through jax.nn.dot_product_attention) takes one head dim for k and "
+                f"v; got {k.shape[-1]} and {v.shape[-1]}")
+    return None
 
 
 def cudnn_attention(q, k, v, *, causal: bool, sm_scale: float):
@@ -54,7 +62,7 @@ def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None
     scores = jnp.where(visible[:, None, None], scores, NEG_INF)
     p = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     o = jnp.einsum("bhgst,bhtd->bshgd", p, v_cache)
-    return o.reshape(b, s, hq, d)
+    return o.reshape(b, s, hq, v_cache.shape[-1])
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, counters=None):

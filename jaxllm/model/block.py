@@ -1,4 +1,5 @@
-"""One transformer block: x + attention(norm(x)), then + SwiGLU(norm(x))."""
+"""One transformer block: x + attention(norm(x)), then + SwiGLU(norm(x)); the attention is
+grouped-query or multi-head latent (model.attention)."""
 from __future__ import annotations
 
 from flax import nnx
@@ -6,6 +7,7 @@ from flax import nnx
 from jaxllm.config import ModelConfig
 from jaxllm.model.attention import Attention
 from jaxllm.model.layers import MLP, RMSNorm, as_dtype
+from jaxllm.model.mla import MLA
 
 
 class Block(nnx.Module):
@@ -14,13 +16,20 @@ class Block(nnx.Module):
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # residual outputs scaled by depth
         norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.d_model, **norm)
-        self.attn = Attention(d_model=cfg.d_model, n_heads=cfg.n_heads,
-                              n_kv_heads=cfg.n_kv_heads, head_dim=cfg.resolved_head_dim,
-                              rope_theta=cfg.rope_theta, attention_impl=cfg.attention_impl,
-                              qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
-                              norm_eps=cfg.norm_eps, rope_scaling=cfg.rope_scaling,
-                              sliding_window=cfg.sliding_window, dtype=dtype,
-                              param_dtype=pdtype, rngs=rngs, std=cfg.init_std, out_std=out_std)
+        if cfg.attention == "mla":
+            self.attn = MLA(d_model=cfg.d_model, n_heads=cfg.n_heads, mla=cfg.mla,
+                            rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                            attention_impl=cfg.attention_impl, norm_eps=cfg.norm_eps,
+                            dtype=dtype, param_dtype=pdtype, rngs=rngs, std=cfg.init_std,
+                            out_std=out_std)
+        else:
+            self.attn = Attention(d_model=cfg.d_model, n_heads=cfg.n_heads,
+                                  n_kv_heads=cfg.n_kv_heads, head_dim=cfg.resolved_head_dim,
+                                  rope_theta=cfg.rope_theta, attention_impl=cfg.attention_impl,
+                                  qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
+                                  norm_eps=cfg.norm_eps, rope_scaling=cfg.rope_scaling,
+                                  sliding_window=cfg.sliding_window, dtype=dtype,
+                                  param_dtype=pdtype, rngs=rngs, std=cfg.init_std, out_std=out_std)
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
         self.mlp = MLP(cfg.d_model, cfg.mlp_dim, dtype=dtype, param_dtype=pdtype, rngs=rngs,
                        std=cfg.init_std, out_std=out_std)

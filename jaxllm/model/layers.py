@@ -6,6 +6,8 @@ model code never sees a mesh.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -91,6 +93,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     inv = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # (D/2,)
     if scaling is None:
         return inv
+    if scaling.rope_type == "yarn":
+        return _yarn_frequencies(inv, head_dim, theta, scaling)
     # Llama 3.1 ("llama3"): wavelengths longer than original_len / low_freq_factor are
     # stretched by `factor`, those shorter than original_len / high_freq_factor kept, and
     # those between interpolated linearly in original_len / wavelength.
@@ -101,12 +105,47 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     return (1 - keep) * inv / scaling.factor + keep * inv
 
 
+def _yarn_frequencies(inv, head_dim: int, theta: float, scaling: RopeScaling):
+    """YaRN: the frequency pairs that turn more than beta_fast times over the original
+    context keep their frequency, those turning fewer than beta_slow times are divided by
+    `factor`, with a linear ramp between (pair indices rounded outwards, as DeepSeek)."""
+    def pair(turns):  # the pair index whose wavelength fits `turns` times in original_len
+        return (head_dim * math.log(scaling.original_max_position_embeddings
+                                    / (turns * 2 * math.pi)) / (2 * math.log(theta)))
+    lo = max(math.floor(pair(scaling.resolved("beta_fast"))), 0)
+    hi = min(math.ceil(pair(scaling.resolved("beta_slow"))), head_dim - 1)
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - lo)
+                    / max(hi - lo, 1e-3), 0, 1)  # 0: keep, 1: interpolate
+    return inv * (1 - ramp) + inv / scaling.factor * ramp
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_magnitude(scaling: RopeScaling | None) -> float:
+    """The factor on cos and sin: YaRN's mscale(mscale) / mscale(mscale_all_dim), else 1."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    return (yarn_mscale(scaling.factor, scaling.resolved("mscale"))
+            / yarn_mscale(scaling.factor, scaling.resolved("mscale_all_dim")))
+
+
+def softmax_scale_factor(scaling: RopeScaling | None) -> float:
+    """The factor on MLA's softmax scale: YaRN's mscale(mscale_all_dim)^2, else 1."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    return yarn_mscale(scaling.factor, scaling.resolved("mscale_all_dim")) ** 2
+
+
 def apply_rope(x, positions, theta: float, scaling=None):
     """Rotary embedding, half-split convention. x (B, S, H, D), positions int (B, S)."""
     d = x.shape[-1]
     freqs = rope_frequencies(d, theta, scaling)
     angles = positions[..., None].astype(jnp.float32) * freqs  # (B, S, D/2)
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    mag = rope_magnitude(scaling)
+    cos, sin = (mag * f(angles)[:, :, None, :] for f in (jnp.cos, jnp.sin))
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)

@@ -190,6 +190,9 @@ def unsupported_reason(q, k, v) -> str | None:
         return f"head_dim={d} is not supported by pallas_mosaic (choose one of {HEAD_DIMS})"
     if jnp.dtype(q.dtype) not in DTYPES:
         return f"pallas_mosaic takes bfloat16 or float16 inputs; got {jnp.dtype(q.dtype)}"
+    if v.shape[-1] != d:
+        return (f"pallas_mosaic takes one head dim for q, k and v; got {d} and "
+                f"v_head_dim={v.shape[-1]}")
     return None
 
 

@@ -1,6 +1,7 @@
 """FlashAttention (FA2) in Pallas with the Triton lowering: forward, LSE and backward.
 
-q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D]. Each program owns one tile of queries (forward,
+q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv] (Dv may differ from D: MLA's
+192-dim queries and keys with 128-dim values). Each program owns one tile of queries (forward,
 dq) or of keys (dk/dv) and streams the other side through on-chip memory:
 
   forward   grid (Sq/bq, B, Hq): S = Q K^T tile by tile with an online softmax (running
@@ -174,8 +175,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk, s
         n_full = jnp.minimum(n_full, hi)
     else:
         hi, n_full = n_kv, skv // bk
-    d = q.shape[-1]
-    carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
+    carry = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
+             jnp.full((bq,), -jnp.inf, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
     acc, m, l = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
@@ -187,7 +188,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk, s
 
 def _forward(q, k, v, *, causal, scale, bs: BlockSizes, interpret):
     b, sq, hq, d = q.shape
-    skv, hkv = k.shape[1], k.shape[2]
+    skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     g = hq // hkv
     bq = min(bs.block_q, max(MIN_BLOCK, _next_pow2(sq)))
     bk = min(bs.block_k, max(MIN_BLOCK, _next_pow2(skv)))
@@ -197,17 +198,19 @@ def _forward(q, k, v, *, causal, scale, bs: BlockSizes, interpret):
     nq, n_kv = sq_p // bq, skv_p // bk
     kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, bq=bq, bk=bk,
                                skv=skv, offset=skv - sq, n_q=nq, n_kv=n_kv)
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0))
-    kv_spec = pl.BlockSpec((None, skv_p, None, d), lambda i, bi, h: (bi, 0, lax.div(h, g), 0))
-    if causal:  # the kernel walks query tiles in reverse; the output specs must agree
-        q_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, nq - 1 - i, h, 0))
+    # the kernel walks causal query tiles in reverse; the output specs must agree
+    q_map = (lambda i, bi, h: (bi, nq - 1 - i, h, 0)) if causal else (
+        lambda i, bi, h: (bi, i, h, 0))
+    q_spec, o_spec = (pl.BlockSpec((None, bq, None, n), q_map) for n in (d, dv))
+    k_spec, v_spec = (pl.BlockSpec((None, skv_p, None, n),
+                                   lambda i, bi, h: (bi, 0, lax.div(h, g), 0)) for n in (d, dv))
     lse_map = (lambda i, bi, h: (bi, h, nq - 1 - i)) if causal else (lambda i, bi, h: (bi, h, i))
     o, lse = pl.pallas_call(
         kernel,
         grid=(nq, b, hq),
-        in_specs=[q_spec, kv_spec, kv_spec],
-        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lse_map)],
-        out_shape=[jax.ShapeDtypeStruct((b, sq_p, hq, d), q.dtype),
+        in_specs=[q_spec, k_spec, v_spec],
+        out_specs=[o_spec, pl.BlockSpec((None, None, bq), lse_map)],
+        out_shape=[jax.ShapeDtypeStruct((b, sq_p, hq, dv), q.dtype),
                    jax.ShapeDtypeStruct((b, hq, sq_p), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=bs.num_warps,
                                                 num_stages=bs.num_stages),
@@ -257,9 +260,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         carry = lax.fori_loop(lo, first_full, functools.partial(step, gi=gi, masked=True), carry)
         return lax.fori_loop(first_full, n_q, functools.partial(step, gi=gi, masked=False), carry)
 
-    d = k.shape[-1]
-    zeros = jnp.zeros((bk, d), jnp.float32)
-    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    dk, dv = lax.fori_loop(0, group, head, (jnp.zeros(k.shape, jnp.float32),
+                                            jnp.zeros(v.shape, jnp.float32)))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -300,7 +302,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
 
 def _backward(q, k, v, o, lse, do, dlse, *, causal, scale, bs: BlockSizes, interpret):
     b, sq, hq, d = q.shape
-    skv, hkv = k.shape[1], k.shape[2]
+    skv, hkv, d_v = k.shape[1], k.shape[2], v.shape[3]
     g = hq // hkv
     cap_q, cap_k = max(MIN_BLOCK, _next_pow2(sq)), max(MIN_BLOCK, _next_pow2(skv))
     bq1, bk1 = min(bs.block_q_dkv, cap_q), min(bs.block_k_dkv, cap_k)
@@ -321,15 +323,17 @@ def _backward(q, k, v, o, lse, do, dlse, *, causal, scale, bs: BlockSizes, inter
 
     # dk, dv: one program per (key tile, batch, kv head); the GQA group is looped inside.
     n_q1 = sq_p // bq1
-    grp_q = pl.BlockSpec((None, sq_p, g, d), lambda j, bi, h: (bi, 0, h, 0))
+    grp_q, grp_do = (pl.BlockSpec((None, sq_p, g, n), lambda j, bi, h: (bi, 0, h, 0))
+                     for n in (d, d_v))
     grp_row = pl.BlockSpec((None, g, sq_p), lambda j, bi, h: (bi, h, 0))
-    kv_tile = pl.BlockSpec((None, bk1, None, d), lambda j, bi, h: (bi, j, h, 0))
+    k_tile, v_tile = (pl.BlockSpec((None, bk1, None, n), lambda j, bi, h: (bi, j, h, 0))
+                      for n in (d, d_v))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq1, bk=bk1,
                           offset=offset, n_q=n_q1, group=g),
         grid=(skv_p // bk1, b, hkv),
-        in_specs=[grp_q, kv_tile, kv_tile, grp_q, grp_row, grp_row],
-        out_specs=[kv_tile, kv_tile],
+        in_specs=[grp_q, k_tile, v_tile, grp_do, grp_row, grp_row],
+        out_specs=[k_tile, v_tile],
         out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
         compiler_params=params,
         interpret=interpret,
@@ -339,14 +343,16 @@ def _backward(q, k, v, o, lse, do, dlse, *, causal, scale, bs: BlockSizes, inter
     # dq: one program per (query tile, batch, q head).
     nq2 = sq_p // bq2
     tile_of = (lambda i: nq2 - 1 - i) if causal else (lambda i: i)
-    q_tile = pl.BlockSpec((None, bq2, None, d), lambda i, bi, h: (bi, tile_of(i), h, 0))
+    q_tile, do_tile = (pl.BlockSpec((None, bq2, None, n),
+                                    lambda i, bi, h: (bi, tile_of(i), h, 0)) for n in (d, d_v))
     row_tile = pl.BlockSpec((None, None, bq2), lambda i, bi, h: (bi, h, tile_of(i)))
-    kv_full = pl.BlockSpec((None, skv_p, None, d), lambda i, bi, h: (bi, 0, lax.div(h, g), 0))
+    k_full, v_full = (pl.BlockSpec((None, skv_p, None, n),
+                                   lambda i, bi, h: (bi, 0, lax.div(h, g), 0)) for n in (d, d_v))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq2, bk=bk2,
                           offset=offset, n_q=nq2, n_kv=skv_p // bk2),
         grid=(nq2, b, hq),
-        in_specs=[q_tile, kv_full, kv_full, q_tile, row_tile, row_tile],
+        in_specs=[q_tile, k_full, v_full, do_tile, row_tile, row_tile],
         out_specs=q_tile,
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         compiler_params=params,
@@ -393,15 +399,15 @@ def _block_sizes(head_dim: int, itemsize: int, kwargs: dict) -> BlockSizes:
 
 def unsupported_reason(q, k, v) -> str | None:
     """None when the kernels can run these inputs, else why not (for `impl="auto"`)."""
-    d = q.shape[-1]
-    if d > 256:
-        return f"head_dim={d} is not supported by pallas_triton (at most 256)"
+    for name, d in (("head_dim", q.shape[-1]), ("v_head_dim", v.shape[-1])):
+        if d > 256:
+            return f"{name}={d} is not supported by pallas_triton (at most 256)"
     return None
 
 
 def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
                              interpret: bool | None = None, **kwargs):
-    """(o [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] float32, natural log); both differentiable.
+    """(o [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] float32, natural log); both differentiable.
 
     kwargs: `block_sizes=BlockSizes(...)` and/or any of its fields (e.g. block_q=64).
     Rows that see no key (causal, Sq > Skv) give o = 0 and lse = -inf.
@@ -409,21 +415,23 @@ def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | 
     why = unsupported_reason(q, k, v)
     if why:
         raise ValueError(why)
-    d = q.shape[-1]
-    if q.ndim != 4 or k.shape != v.shape or q.shape[2] % k.shape[2]:
-        raise ValueError(f"expected q [B, Sq, Hq, D], k = v [B, Skv, Hkv, D] with Hq % Hkv == 0;"
-                         f" got q{q.shape} k{k.shape} v{v.shape}")
+    d, dv = q.shape[-1], v.shape[-1]
+    if (q.ndim != 4 or k.shape[:3] != v.shape[:3] or k.shape[3] != d
+            or q.shape[2] % k.shape[2]):
+        raise ValueError(f"expected q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv] "
+                         f"with Hq % Hkv == 0; got q{q.shape} k{k.shape} v{v.shape}")
     scale = d**-0.5 if sm_scale is None else float(sm_scale)
-    d_p = max(MIN_BLOCK, _next_pow2(d))
-    bs = _block_sizes(d_p, q.dtype.itemsize, dict(kwargs))
+    d_p, dv_p = (max(MIN_BLOCK, _next_pow2(n)) for n in (d, dv))
+    bs = _block_sizes(max(d_p, dv_p), q.dtype.itemsize, dict(kwargs))
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    if d_p != d:  # zero-padded head dims change neither scores nor the kept outputs
-        q, k, v = (_pad_axis(x, 3, d_p) for x in (q, k, v))
+    # zero-padded head dims change neither scores nor the kept outputs
+    q, k, v = _pad_axis(q, 3, d_p), _pad_axis(k, 3, d_p), _pad_axis(v, 3, dv_p)
     o, lse = _flash(q, k, v, bool(causal), scale, bs, bool(interpret))
-    return o[..., :d], lse
+    return o[..., :dv], lse
 
 
 def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None, **kwargs):
-    """q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] -> [B, Sq, Hq, D]; see kernels.flash_attention."""
+    """q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [.., Dv] -> [B, Sq, Hq, Dv]; see
+    kernels.flash_attention."""
     return flash_attention_with_lse(q, k, v, causal=causal, sm_scale=sm_scale, **kwargs)[0]
