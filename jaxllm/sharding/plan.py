@@ -27,6 +27,8 @@ from jaxllm.config import Config, ConfigError
 from jaxllm.sharding.constrain import ShardingContext, traced_in
 from jaxllm.sharding.context import attention_with_lse, balanced_order
 from jaxllm.sharding.mesh import describe_mesh, make_mesh
+from jaxllm.sharding.pipeline import check_config as check_pipeline
+from jaxllm.sharding.pipeline import stage_axes
 from jaxllm.sharding.rules import Rules
 
 
@@ -58,21 +60,25 @@ class ShardingPlan:
         """The plan of `cfg` over `devices` (default: every device of every process)."""
         p, t = cfg.parallelism, cfg.train
         mesh = make_mesh(p, devices)
-        if mesh.shape["pp"] > 1:
-            raise ConfigError(f"parallelism.pp={p.pp}: pipeline parallelism is not supported "
-                              f"by the trainer yet; use dp, fsdp, tp or cp")
+        check_pipeline(cfg)
         rules = Rules.for_mesh(mesh, t.zero_stage, p.sequence_parallel)
         n_data = rules.data_parallel_size()
         if t.batch_size % n_data:
             raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by the "
                               f"data-parallel size dp x fsdp x ep = {n_data}")
+        if (t.batch_size // t.microbatches) % n_data:
+            raise ConfigError(f"a microbatch of train.batch_size={t.batch_size} / train."
+                              f"microbatches={t.microbatches} rows is not divisible by the "
+                              f"data-parallel size dp x fsdp x ep = {n_data}")
         if mesh.shape["cp"] > 1:
             balanced_order(t.seq_len, mesh.shape["cp"])  # raises unless 2 cp divides seq_len
             attention_with_lse(cfg.model.attention_impl)  # raises if it has no log-sum-exp
         graphdef, state = nnx.split(nnx.eval_shape(make_model))
+        logical = logical_axes(state)
+        if p.pp > 1:  # the main stack's layers are split into stages over pp
+            logical = stage_axes(logical)
         plan = cls(mesh, rules, ShardingContext(mesh, rules, p.cp_impl), graphdef,
-                   nnx.to_pure_dict(state), logical_axes(state), make_model, t.batch_size,
-                   t.seq_len)
+                   nnx.to_pure_dict(state), logical, make_model, t.batch_size, t.seq_len)
         plan._check_host_rows()
         return plan
 

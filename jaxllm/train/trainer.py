@@ -27,6 +27,7 @@ from jaxllm.model import build_model
 from jaxllm.model.mtp import mtp_losses
 from jaxllm.sharding import ShardingPlan
 from jaxllm.sharding.memory import describe_memory, step_memory
+from jaxllm.sharding.pipeline import Pipeline
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.train import data as data_lib
 from jaxllm.checkpoint import Checkpointer, has_checkpoints, load_model
@@ -112,17 +113,21 @@ def loss_fn(graphdef, params, batch, mtp_weight: float = 0.0):
 def make_train_fns(cfg: Config, graphdef, plan: ShardingPlan) -> TrainFns:
     tx = make_optimizer(cfg.train)
     w = cfg.train.mtp_weight
+    value_and_grad = lambda p, b: jax.value_and_grad(lambda p: loss_fn(graphdef, p, b, w),
+                                                     has_aux=True)(p)
+    eval_loss = lambda p, b: loss_fn(graphdef, p, b)[1]["loss"]
+    if cfg.parallelism.pp > 1:  # the blocks in stages over pp (1f1b: its own backward)
+        pipe = Pipeline(cfg, graphdef, plan.mesh, cross_entropy)
+        value_and_grad, eval_loss = pipe.value_and_grad, lambda p, b: pipe.loss(p, b)[0]
 
     def step(params, opt_state, batch):
-        (_, aux), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch, w),
-                                             has_aux=True)(params)
+        (_, aux), grads = value_and_grad(params, batch)
         grads = plan.constrain_grads(grads)  # ZeRO-2/3: reduce-scatter, not all-reduce
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {**aux, "grad_norm": optax.tree.norm(grads)}
 
-    return TrainFns(graphdef, tx, plan.jit_step(step, tx),
-                    plan.jit_eval(lambda p, b: loss_fn(graphdef, p, b)[1]["loss"]), plan)
+    return TrainFns(graphdef, tx, plan.jit_step(step, tx), plan.jit_eval(eval_loss), plan)
 
 
 def sharding_plan(cfg: Config, devices=None) -> ShardingPlan:
