@@ -58,7 +58,10 @@ def cross_entropy(logits, targets):
     """Mean token cross-entropy in float32 (nats). logits (B, S, V), targets (B, S)."""
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # the target's logit by a one-hot select-and-sum: it partitions over a vocab-sharded
+    # axis everywhere, also inside the pipeline's shard_map, where XLA cannot split a gather
+    hit = targets[..., None] == jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    picked = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
     return jnp.mean(lse - picked)
 
 
