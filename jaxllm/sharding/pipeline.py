@@ -84,6 +84,12 @@ def check_config(cfg: Config) -> None:
                           f"distil with parallelism.pp=1")
 
 
+def schedule_of(cfg: Config) -> Schedule:
+    """The schedule table of the config's pipeline settings."""
+    p = cfg.parallelism
+    return build(p.pp_schedule, p.pp, cfg.train.microbatches, p.pp_repeats)
+
+
 def stage_axes(logical):
     """Logical axes of the parameters with the pipelined stack's `layers` axis named
     `stages` (which `rules.py` shards over pp); other stacks keep `layers`."""
@@ -103,7 +109,7 @@ class Pipeline:
         self.m, self.kind = cfg.train.microbatches, cfg.parallelism.pp_schedule
         from jaxllm.model.decoder import REMAT_POLICIES  # the model imports sharding
         self.remat = REMAT_POLICIES.get(cfg.model.remat, "none")
-        self.schedule: Schedule = build(self.kind, self.p, self.m, self.v)
+        self.schedule = schedule_of(cfg)
 
     # -- the model in pieces ------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from jaxllm.model import build_model
 from jaxllm.model.mtp import mtp_losses
 from jaxllm.sharding import ShardingPlan
 from jaxllm.sharding.memory import describe_memory, step_memory
-from jaxllm.sharding.pipeline import Pipeline
+from jaxllm.sharding.pipeline import Pipeline, schedule_of
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.train import data as data_lib
 from jaxllm.checkpoint import Checkpointer, has_checkpoints, load_model
@@ -149,11 +149,12 @@ def init_state(cfg: Config, plan: ShardingPlan | None = None):
 
 
 def dry_run(cfg: Config) -> str:
-    """The mesh, every parameter's layout and the compiled step's per-device memory,
-    without allocating or training anything."""
+    """The mesh, every parameter's layout, the pipeline schedule (pp > 1) and the compiled
+    step's per-device memory, without allocating or training anything."""
     plan = sharding_plan(cfg)
     fns = make_train_fns(cfg, plan.graphdef, plan)
-    return (plan.describe() + "\n"
+    pipeline = schedule_of(cfg).describe() + "\n" if cfg.parallelism.pp > 1 else ""
+    return (plan.describe() + "\n" + pipeline
             + describe_memory(step_memory(fns.step, plan, fns.tx), cfg.train.zero_stage))
 
 
