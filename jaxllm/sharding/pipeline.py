@@ -54,8 +54,6 @@ def check_config(cfg: Config) -> None:
             raise ConfigError(f"parallelism.pp_repeats={v} and train.microbatches={mb} are "
                               f"pipeline settings; with parallelism.pp=1 leave them at 1")
         return
-    if not hasattr(m, "n_layers") or m.n_layers < 1:
-        raise ConfigError("parallelism.pp > 1 needs a model with a stack of blocks to split")
     if v != 1 and kind != "circular":
         raise ConfigError(f"parallelism.pp_repeats={v} (stages per device) needs "
                           f"parallelism.pp_schedule=circular, not {kind!r}")
@@ -93,6 +91,10 @@ def schedule_of(cfg: Config) -> Schedule:
 def stage_axes(logical):
     """Logical axes of the parameters with the pipelined stack's `layers` axis named
     `stages` (which `rules.py` shards over pp); other stacks keep `layers`."""
+    if STACK not in logical:
+        raise ConfigError(f"parallelism.pp > 1 splits the model's `{STACK}` stack into "
+                          f"stages, but this model has none ({sorted(logical)}); set "
+                          f"parallelism.pp=1")
     out = dict(logical)
     out[STACK] = jax.tree.map(lambda names: ("stages",) + tuple(names[1:]), logical[STACK],
                               is_leaf=lambda x: isinstance(x, tuple))
