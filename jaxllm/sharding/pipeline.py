@@ -110,7 +110,8 @@ class Pipeline:
         self.p, self.v = cfg.parallelism.pp, cfg.parallelism.pp_repeats
         self.m, self.kind = cfg.train.microbatches, cfg.parallelism.pp_schedule
         from jaxllm.model.decoder import REMAT_POLICIES  # the model imports sharding
-        self.remat = REMAT_POLICIES.get(cfg.model.remat, "none")
+        self.remat = cfg.model.remat
+        self.remat_policy = REMAT_POLICIES.get(self.remat)
         self.schedule = schedule_of(cfg)
 
     # -- the model in pieces ------------------------------------------------------------
@@ -124,7 +125,7 @@ class Pipeline:
             positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
             return self._model(rest, chunk).run_blocks(x, positions)
         if self.remat != "none":
-            run = jax.checkpoint(run, policy=self.remat)
+            run = jax.checkpoint(run, policy=self.remat_policy)
         return run(chunk, rest, x)
 
     def _embed(self, chunk, rest, tokens):
