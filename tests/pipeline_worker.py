@@ -1,7 +1,6 @@
 """Runs the pipeline layouts for tests/test_pipeline.py in a fresh process.
 
-    python tests/pipeline_worker.py all OUT                 # pp = 1 and every pipeline layout
-    python tests/pipeline_worker.py multihost OUT PID PORT  # one of 2 processes, pp across them
+    python tests/pipeline_worker.py all OUT     # pp = 1 and every pipeline layout
 
 As tests/sharding_worker.py (whose training loop it reuses): XLA without backend
 optimisation, one training step per layout (the Adam moments after one step are linear
@@ -40,8 +39,6 @@ LAYOUTS = {
                              "parallelism.pp_schedule=1f1b", "train.microbatches=4",
                              "train.zero_stage=1"],
 }
-MULTIHOST = ["parallelism.pp=2", "parallelism.dp=4", "parallelism.pp_schedule=1f1b",
-             "train.microbatches=2"]
 
 
 def run_all(out: Path):
@@ -66,26 +63,6 @@ def run_all(out: Path):
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
-def run_multihost(out: Path, pid: int, port: int):
-    import jax
-    import numpy as np
-
-    from jaxllm.sharding import initialize_distributed
-
-    initialize_distributed(f"localhost:{port}", 2, pid)
-    rows = slice(4 * pid, 4 * pid + 4)  # this host's half of each global batch
-    record, flat, plan = base.run_layout(MODEL + MULTIHOST, rows=rows)
-    if pid == 0:
-        np.savez(out / "multihost.npz", **flat)
-        hosts = np.vectorize(lambda d: d.process_index)(plan.mesh.devices)  # mesh-shaped
-        (out / "multihost.json").write_text(json.dumps({**record, "hosts": hosts.tolist()}))
-    jax.distributed.shutdown()
-
-
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    mode, out = sys.argv[1], Path(sys.argv[2])
-    if mode == "all":
-        run_all(out)
-    else:
-        run_multihost(out, int(sys.argv[3]), int(sys.argv[4]))
+    run_all(Path(sys.argv[2]))

@@ -145,9 +145,20 @@ class ShardingPlan:
         out = {}
         for name, rows in local.items():
             rows = np.asarray(rows)
-            shape = (rows.shape[0] * jax.process_count(),) + rows.shape[1:]
+            shape = (rows.shape[0] * self.data_shard()[1],) + rows.shape[1:]
             out[name] = jax.make_array_from_process_local_data(self.batch, rows, shape)
         return out
+
+    def data_shard(self) -> tuple[int, int]:
+        """(block, blocks): this process loads row block `block` of `blocks` equal blocks of
+        every batch. Processes whose devices hold the same rows (pp spanning hosts) load
+        the same block."""
+        held = {}
+        for dev, idx in self.batch.devices_indices_map((self.batch_size, self.seq_len)).items():
+            held.setdefault(dev.process_index, set()).update(
+                range(*idx[0].indices(self.batch_size)))
+        firsts = sorted({min(rows) for rows in held.values()})
+        return firsts.index(min(held[jax.process_index()])), len(firsts)
 
     def _check_host_rows(self):
         """Each process must own the contiguous block of rows `data.get_batch` gives it."""
@@ -155,12 +166,12 @@ class ShardingPlan:
             return
         index = self.batch.addressable_devices_indices_map((self.batch_size, self.seq_len))
         rows = {r for idx in index.values() for r in range(*idx[0].indices(self.batch_size))}
-        per = self.batch_size // jax.process_count()
-        mine = set(range(jax.process_index() * per, (jax.process_index() + 1) * per))
-        if rows != mine:
+        block, blocks = self.data_shard()
+        per = self.batch_size // blocks
+        if rows != set(range(block * per, (block + 1) * per)):
             raise ConfigError(
                 f"process {jax.process_index()}'s devices hold batch rows {sorted(rows)[:4]}..."
-                f" but it loads rows {per * jax.process_index()}..; let the data-parallel "
+                f" but it loads rows {per * block}..; let the data-parallel "
                 f"axes (dp, fsdp) span the {jax.process_count()} hosts")
 
     # -- the step ---------------------------------------------------------------------

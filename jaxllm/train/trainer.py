@@ -249,10 +249,10 @@ def evaluate(fns: TrainFns, params, cfg: Config, tokens: np.ndarray, place) -> f
     """Mean loss over a fixed set of validation batches (the same at every evaluation)."""
     t = cfg.train
     losses = []
+    block, blocks = fns.plan.data_shard()  # this process's rows (shared across pp hosts)
     for i in range(t.eval_batches):
         batch = data_lib.get_batch(tokens, t.seq_len, t.batch_size, t.seed, i,
-                                   stream=data_lib.EVAL_STREAM, host_id=jax.process_index(),
-                                   num_hosts=jax.process_count())
+                                   stream=data_lib.EVAL_STREAM, host_id=block, num_hosts=blocks)
         losses.append(fns.eval(params, place(batch)))
     return float(np.mean(jax.device_get(losses)))
 
@@ -347,12 +347,12 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
         return vals[-1] if vals else float("nan")
 
     step = start
+    block, blocks = fns.plan.data_shard()  # this process's rows (shared across pp hosts)
     try:
         with _StopFlag() as flag:
             while step < t.steps:
                 batch = data_lib.get_batch(data.train, t.seq_len, t.batch_size, t.seed, step,
-                                           host_id=jax.process_index(),
-                                           num_hosts=jax.process_count())
+                                           host_id=block, num_hosts=blocks)
                 params, opt_state, metrics = fns.step(params, opt_state, place(batch))
                 pending.append(metrics)
                 if len(pending) > 1:  # at most one step in flight, so a signal acts within one
