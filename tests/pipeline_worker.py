@@ -1,6 +1,6 @@
 """Runs the pipeline layouts for tests/test_pipeline.py in a fresh process.
 
-    python tests/pipeline_worker.py all OUT     # pp = 1 and every pipeline layout
+    python tests/pipeline_worker.py OUT     # pp = 1 and every pipeline layout
 
 As tests/sharding_worker.py (whose training loop it reuses): XLA without backend
 optimisation, one training step per layout (the Adam moments after one step are linear
@@ -65,4 +65,4 @@ def run_all(out: Path):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    run_all(Path(sys.argv[2]))
+    run_all(Path(sys.argv[1]))

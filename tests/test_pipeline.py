@@ -58,6 +58,17 @@ def test_1f1b_keeps_at_most_p_minus_d_microbatches_in_flight(p, m):
     assert np.cumsum(gpipe[:, 0, 0] == FWD).max() == m  # gpipe holds all of them
 
 
+def test_dry_run_schedule_lines():
+    """What `--dry-run` prints for pp > 1: the table per device and the counted bubble."""
+    from jaxllm.sharding.pipeline import schedule_of
+    cfg = load_config(None, ["parallelism.pp=4", "train.microbatches=8"])
+    lines = schedule_of(cfg).describe().splitlines()
+    assert lines[0] == ("pipeline 1f1b: pp=4 x 1 stage(s) per device, 8 microbatches, 22 ticks; "
+                        "bubble 0.273 (formula 0.273)")
+    assert lines[1].split()[2:7] == ["F0", "F1", "F2", "F3", "."]
+    assert lines[4].split()[2:8] == [".", ".", ".", "F0", "B0", "F1"]
+
+
 def _plan(*overrides):
     from jaxllm.train.trainer import sharding_plan
     return sharding_plan(load_config(None, worker.base.SMALL + worker.MODEL + list(overrides)))
@@ -114,7 +125,7 @@ def test_stack_split_over_pp_and_other_parameters_whole():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
-    r = subprocess.run([sys.executable, str(WORKER), "all", str(out)], env=_env(8), cwd=ROOT,
+    r = subprocess.run([sys.executable, str(WORKER), str(out)], env=_env(8), cwd=ROOT,
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-4000:]
     return out, json.loads((out / "results.json").read_text())
