@@ -247,6 +247,8 @@ class ParallelismConfig:
     tp: int = 1
     cp_impl: Literal["ring", "allgather"] = "ring"  # context-parallel attention
     sequence_parallel: bool = False  # with tp: norms and residuals split over seq on tp
+    pp_schedule: Literal["gpipe", "circular", "1f1b"] = "1f1b"  # sharding/pipeline.py
+    pp_repeats: int = 1  # stages per device (circular)
 
     def __post_init__(self):
         axes = ("pp", "dp", "fsdp", "ep", "cp", "tp")
@@ -257,6 +259,8 @@ class ParallelismConfig:
                                   f"(remaining devices)")
         if sum(getattr(self, n) == -1 for n in axes) > 1:
             raise ConfigError("at most one parallelism axis may be -1")
+        if self.pp_repeats < 1:
+            raise ConfigError(f"parallelism.pp_repeats={self.pp_repeats} must be positive")
 
 
 @dataclass(frozen=True)
@@ -280,10 +284,11 @@ class TrainConfig:
     mtp_weight: float = 0.3
     distill_from: str | None = None  # a run directory: KL(its logits || ours) replaces CE
     progress: bool = True  # rich progress bar
+    microbatches: int = 1  # pipeline parallelism: the batch in this many microbatches
 
     def __post_init__(self):
         _positive("train", self, ("steps", "batch_size", "seq_len", "log_every", "eval_every",
-                                  "eval_batches", "lr"))
+                                  "eval_batches", "lr", "microbatches"))
         if self.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -106,7 +106,7 @@ def test_plan_rejects_bad_layouts():
     small = worker.SMALL
     with pytest.raises(ConfigError, match="batch_size=4 is not divisible.*= 8"):
         sharding_plan(load_config(None, small + ["train.batch_size=4"]))
-    with pytest.raises(ConfigError, match="pipeline parallelism"):
+    with pytest.raises(ConfigError, match="microbatches=1 must be >= parallelism.pp=2"):
         sharding_plan(load_config(None, small + ["parallelism.pp=2", "parallelism.dp=4"]))
     with pytest.raises(ValueError, match="divisible by 2 x cp = 8"):
         sharding_plan(load_config(None, small + ["parallelism.cp=4", "parallelism.dp=2",

@@ -5,6 +5,8 @@
     constrain.py  `constrain(x, logical_axes)` for model code; no-op without a context
     context.py    context parallelism: ring / all-gather attention, load-balanced order
     plan.py       a training run's layouts: init, jit with shardings, batch placement
+    pipeline.py   pipeline parallelism: the block stack in stages over pp, run by a schedule
+    pipeline_schedule.py  the schedules (gpipe, circular, 1f1b) as tables; their bubbles
     memory.py     per-device memory of the model states vs the ZeRO formula
 """
 from jaxllm.sharding.constrain import ShardingContext, active, constrain

@@ -27,7 +27,13 @@ class ShardingContext:
     balanced: bool = field(default=False)
 
     def activation_sharding(self, logical, shape) -> NamedSharding:
-        return NamedSharding(self.mesh, self.rules.activation_spec(logical, shape))
+        return NamedSharding(self.current_mesh(), self.rules.activation_spec(logical, shape))
+
+    def current_mesh(self):
+        """The mesh; inside a shard_map (the pipeline's, over pp) the abstract one that marks
+        its manual axes, which the rules never name."""
+        abstract = jax.sharding.get_abstract_mesh()
+        return abstract if abstract.manual_axes else self.mesh
 
 
 _CURRENT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVar(
@@ -73,4 +79,4 @@ def gathered(w, logical: tuple[str, ...]):
     if ctx is None:
         return w
     spec = ctx.rules.param_spec(logical, w.shape, "compute")
-    return jax.lax.with_sharding_constraint(w, NamedSharding(ctx.mesh, spec))
+    return jax.lax.with_sharding_constraint(w, NamedSharding(ctx.current_mesh(), spec))

@@ -99,7 +99,7 @@ def causal_attention(q, k, v, *, impl: str = "auto"):
     ctx = current()
     if ctx is None or ctx.mesh.size == 1:
         return flash_attention(q, k, v, causal=True, impl=impl)
-    mesh, cp, tp = ctx.mesh, ctx.mesh.shape["cp"], ctx.mesh.shape["tp"]
+    mesh, cp, tp = ctx.current_mesh(), ctx.mesh.shape["cp"], ctx.mesh.shape["tp"]
     hq, hkv = q.shape[2], k.shape[2]
     heads = "tp" if tp > 1 and hq % tp == 0 else None
     if heads and hkv % tp:  # too few KV heads to split: give each query head its own
@@ -112,8 +112,9 @@ def causal_attention(q, k, v, *, impl: str = "auto"):
         body = functools.partial(_local_attention, cp=cp, balanced=ctx.balanced,
                                  gather=ctx.cp_impl == "allgather",
                                  attn=attention_with_lse(impl, q, k, v))
+    free = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # pp in the pipeline
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                         check_vma=False)(q, k, v)
+                         axis_names=free, check_vma=False)(q, k, v)
 
 
 def _merge(acc, new):

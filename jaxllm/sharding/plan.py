@@ -27,6 +27,8 @@ from jaxllm.config import Config, ConfigError
 from jaxllm.sharding.constrain import ShardingContext, traced_in
 from jaxllm.sharding.context import attention_with_lse, balanced_order
 from jaxllm.sharding.mesh import describe_mesh, make_mesh
+from jaxllm.sharding.pipeline import check_config as check_pipeline
+from jaxllm.sharding.pipeline import stage_axes
 from jaxllm.sharding.rules import Rules
 
 
@@ -58,21 +60,25 @@ class ShardingPlan:
         """The plan of `cfg` over `devices` (default: every device of every process)."""
         p, t = cfg.parallelism, cfg.train
         mesh = make_mesh(p, devices)
-        if mesh.shape["pp"] > 1:
-            raise ConfigError(f"parallelism.pp={p.pp}: pipeline parallelism is not supported "
-                              f"by the trainer yet; use dp, fsdp, tp or cp")
+        check_pipeline(cfg)
         rules = Rules.for_mesh(mesh, t.zero_stage, p.sequence_parallel)
         n_data = rules.data_parallel_size()
         if t.batch_size % n_data:
             raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by the "
                               f"data-parallel size dp x fsdp x ep = {n_data}")
+        if (t.batch_size // t.microbatches) % n_data:
+            raise ConfigError(f"a microbatch of train.batch_size={t.batch_size} / train."
+                              f"microbatches={t.microbatches} rows is not divisible by the "
+                              f"data-parallel size dp x fsdp x ep = {n_data}")
         if mesh.shape["cp"] > 1:
             balanced_order(t.seq_len, mesh.shape["cp"])  # raises unless 2 cp divides seq_len
             attention_with_lse(cfg.model.attention_impl)  # raises if it has no log-sum-exp
         graphdef, state = nnx.split(nnx.eval_shape(make_model))
+        logical = logical_axes(state)
+        if p.pp > 1:  # the main stack's layers are split into stages over pp
+            logical = stage_axes(logical)
         plan = cls(mesh, rules, ShardingContext(mesh, rules, p.cp_impl), graphdef,
-                   nnx.to_pure_dict(state), logical_axes(state), make_model, t.batch_size,
-                   t.seq_len)
+                   nnx.to_pure_dict(state), logical, make_model, t.batch_size, t.seq_len)
         plan._check_host_rows()
         return plan
 
@@ -139,9 +145,20 @@ class ShardingPlan:
         out = {}
         for name, rows in local.items():
             rows = np.asarray(rows)
-            shape = (rows.shape[0] * jax.process_count(),) + rows.shape[1:]
+            shape = (rows.shape[0] * self.data_shard()[1],) + rows.shape[1:]
             out[name] = jax.make_array_from_process_local_data(self.batch, rows, shape)
         return out
+
+    def data_shard(self) -> tuple[int, int]:
+        """(block, blocks): this process loads row block `block` of `blocks` equal blocks of
+        every batch. Processes whose devices hold the same rows (pp spanning hosts) load
+        the same block."""
+        held = {}
+        for dev, idx in self.batch.devices_indices_map((self.batch_size, self.seq_len)).items():
+            held.setdefault(dev.process_index, set()).update(
+                range(*idx[0].indices(self.batch_size)))
+        firsts = sorted({min(rows) for rows in held.values()})
+        return firsts.index(min(held[jax.process_index()])), len(firsts)
 
     def _check_host_rows(self):
         """Each process must own the contiguous block of rows `data.get_batch` gives it."""
@@ -149,12 +166,12 @@ class ShardingPlan:
             return
         index = self.batch.addressable_devices_indices_map((self.batch_size, self.seq_len))
         rows = {r for idx in index.values() for r in range(*idx[0].indices(self.batch_size))}
-        per = self.batch_size // jax.process_count()
-        mine = set(range(jax.process_index() * per, (jax.process_index() + 1) * per))
-        if rows != mine:
+        block, blocks = self.data_shard()
+        per = self.batch_size // blocks
+        if rows != set(range(block * per, (block + 1) * per)):
             raise ConfigError(
                 f"process {jax.process_index()}'s devices hold batch rows {sorted(rows)[:4]}..."
-                f" but it loads rows {per * jax.process_index()}..; let the data-parallel "
+                f" but it loads rows {per * block}..; let the data-parallel "
                 f"axes (dp, fsdp) span the {jax.process_count()} hosts")
 
     # -- the step ---------------------------------------------------------------------

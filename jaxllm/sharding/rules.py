@@ -13,7 +13,8 @@ activations through `sharding.constrain`. This table puts them on the mesh axes 
     mlp         tp            tp               column-parallel up/gate, row-parallel down
     vocab       tp            tp               vocabulary-parallel embedding, head, loss
     experts     ep            ep
-    head_dim, layers, latent: not sharded (pipeline stages slice `layers` elsewhere)
+    stages      pp            -                the pipelined stack's `layers` (pipeline.py)
+    head_dim, layers, latent: not sharded
 
 ZeRO axes. Training holds three model states per parameter: the parameter, its gradient
 and the optimizer state. The `fsdp` axis shards all three (that is what it is for); over
@@ -21,7 +22,7 @@ the `dp` axis `train.zero_stage` decides: 0 replicates everything, 1 shards the 
 state, 2 also the gradients (reduce-scatter instead of all-reduce), 3 also the
 parameters. With fsdp=1 this is DeepSpeed's ZeRO over dp; with dp=1 it is FSDP.
 A parameter is ZeRO-sharded on its `embed` dimension, or else on its largest divisible
-dimension other than `layers`.
+dimension other than `layers` / `stages`.
 
 Model-parallel axes (heads, mlp, vocab, experts) claim their mesh axes first; batch and
 seq take what is left, so with `parallelism.sequence_parallel` the residual stream
@@ -51,6 +52,7 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "vocab": (("tp",), ("tp",)),
     "experts": (("ep",), ("ep",)),
     "layers": ((), ()),
+    "stages": (("pp",), ()),
     "latent": ((), ()),
     None: ((), ()),  # an unnamed axis
 }
@@ -105,7 +107,8 @@ class Rules:
             group = math.prod(self.size(a) for a in zero)
             order = [i for i, n in enumerate(logical) if RULES[n][0] == (ZERO,)]
             order += sorted((i for i, n in enumerate(logical)
-                             if n != "layers" and i not in order and not spec[i]),
+                             if n not in ("layers", "stages") and i not in order
+                             and not spec[i]),
                             key=lambda i: -shape[i])
             for i in order:
                 rest = shape[i] // math.prod(self.size(a) for a in spec[i])

@@ -27,6 +27,7 @@ from jaxllm.model import build_model
 from jaxllm.model.mtp import mtp_losses
 from jaxllm.sharding import ShardingPlan
 from jaxllm.sharding.memory import describe_memory, step_memory
+from jaxllm.sharding.pipeline import Pipeline, schedule_of
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.train import data as data_lib
 from jaxllm.checkpoint import Checkpointer, has_checkpoints, load_model
@@ -57,7 +58,10 @@ def cross_entropy(logits, targets):
     """Mean token cross-entropy in float32 (nats). logits (B, S, V), targets (B, S)."""
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # the target's logit by a one-hot select-and-sum: it partitions over a vocab-sharded
+    # axis everywhere, also inside the pipeline's shard_map, where XLA cannot split a gather
+    hit = targets[..., None] == jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    picked = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
     return jnp.mean(lse - picked)
 
 
@@ -112,17 +116,21 @@ def loss_fn(graphdef, params, batch, mtp_weight: float = 0.0):
 def make_train_fns(cfg: Config, graphdef, plan: ShardingPlan) -> TrainFns:
     tx = make_optimizer(cfg.train)
     w = cfg.train.mtp_weight
+    value_and_grad = lambda p, b: jax.value_and_grad(lambda p: loss_fn(graphdef, p, b, w),
+                                                     has_aux=True)(p)
+    eval_loss = lambda p, b: loss_fn(graphdef, p, b)[1]["loss"]
+    if cfg.parallelism.pp > 1:  # the blocks in stages over pp (1f1b: its own backward)
+        pipe = Pipeline(cfg, graphdef, plan.mesh, cross_entropy)
+        value_and_grad, eval_loss = pipe.value_and_grad, lambda p, b: pipe.loss(p, b)[0]
 
     def step(params, opt_state, batch):
-        (_, aux), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch, w),
-                                             has_aux=True)(params)
+        (_, aux), grads = value_and_grad(params, batch)
         grads = plan.constrain_grads(grads)  # ZeRO-2/3: reduce-scatter, not all-reduce
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {**aux, "grad_norm": optax.tree.norm(grads)}
 
-    return TrainFns(graphdef, tx, plan.jit_step(step, tx),
-                    plan.jit_eval(lambda p, b: loss_fn(graphdef, p, b)[1]["loss"]), plan)
+    return TrainFns(graphdef, tx, plan.jit_step(step, tx), plan.jit_eval(eval_loss), plan)
 
 
 def sharding_plan(cfg: Config, devices=None) -> ShardingPlan:
@@ -141,14 +149,16 @@ def init_state(cfg: Config, plan: ShardingPlan | None = None):
 
 
 def dry_run(cfg: Config) -> str:
-    """The mesh, every parameter's layout and the compiled step's per-device memory beside
-    the planner's, without allocating or training anything."""
+    """The mesh, every parameter's layout, the pipeline schedule (pp > 1) and the compiled
+    step's per-device memory beside the planner's, without allocating or training anything."""
     from jaxllm.plan.memory import describe_vs_compiled
     plan = sharding_plan(cfg)
     fns = make_train_fns(cfg, plan.graphdef, plan)
     mem = step_memory(fns.step, plan, fns.tx)
-    return (plan.describe() + "\n" + describe_memory(mem, cfg.train.zero_stage) + "\n"
-            + describe_vs_compiled(cfg, mem, plan.mesh.size, plan.mesh.devices.flat[0].platform))
+    pipeline = schedule_of(cfg).describe() + "\n" if cfg.parallelism.pp > 1 else ""
+    return (plan.describe() + "\n" + pipeline + describe_memory(mem, cfg.train.zero_stage)
+            + "\n" + describe_vs_compiled(cfg, mem, plan.mesh.size,
+                                          plan.mesh.devices.flat[0].platform))
 
 
 class _StopFlag:
@@ -242,10 +252,10 @@ def evaluate(fns: TrainFns, params, cfg: Config, tokens: np.ndarray, place) -> f
     """Mean loss over a fixed set of validation batches (the same at every evaluation)."""
     t = cfg.train
     losses = []
+    block, blocks = fns.plan.data_shard()  # this process's rows (shared across pp hosts)
     for i in range(t.eval_batches):
         batch = data_lib.get_batch(tokens, t.seq_len, t.batch_size, t.seed, i,
-                                   stream=data_lib.EVAL_STREAM, host_id=jax.process_index(),
-                                   num_hosts=jax.process_count())
+                                   stream=data_lib.EVAL_STREAM, host_id=block, num_hosts=blocks)
         losses.append(fns.eval(params, place(batch)))
     return float(np.mean(jax.device_get(losses)))
 
@@ -340,12 +350,12 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
         return vals[-1] if vals else float("nan")
 
     step = start
+    block, blocks = fns.plan.data_shard()  # this process's rows (shared across pp hosts)
     try:
         with _StopFlag() as flag:
             while step < t.steps:
                 batch = data_lib.get_batch(data.train, t.seq_len, t.batch_size, t.seed, step,
-                                           host_id=jax.process_index(),
-                                           num_hosts=jax.process_count())
+                                           host_id=block, num_hosts=blocks)
                 params, opt_state, metrics = fns.step(params, opt_state, place(batch))
                 pending.append(metrics)
                 if len(pending) > 1:  # at most one step in flight, so a signal acts within one

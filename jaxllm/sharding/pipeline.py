@@ -1,0 +1,303 @@
+"""Pipeline parallelism: the main block stack split into stages over the `pp` mesh axis.
+
+    pipe = Pipeline(cfg, graphdef, mesh, token_loss)
+    loss, aux = pipe.loss(params, batch)                    # gpipe / circular forward
+    (loss, aux), grads = pipe.value_and_grad(params, batch)  # what the train step calls
+
+The stacked `blocks` parameters [L, ...] stay one array per leaf (checkpoints do not
+depend on pp); their `stages` axis (`stage_axes`) is sharded over `pp`, so device d holds
+layers [d L/p, (d+1) L/p). Inside the step the stack is viewed as [p, v, L/(p v), ...]:
+for circular (v stages per device) the layers are first put in pipeline order, stage
+s = r p + d to device d, which costs one exchange of the layer weights over pp per step.
+
+One `shard_map` over `pp` alone runs the schedule; dp / fsdp / tp stay automatic axes
+for GSPMD inside it, so they compose. Each tick every device runs the stage that the
+schedule table (`pipeline_schedule.py`) gives it; activations move one device forward
+with `ppermute` (cotangents one back). The first stage embeds its microbatch, the last
+applies the final norm, head and loss. Device-dependent work (the head and loss, the op
+of a 1F1B tick) runs under `lax.cond` / `lax.switch`, so other devices skip it.
+
+- gpipe, circular: a scan over the forward ticks; autodiff mirrors it for the backward.
+  The stage is rematerialised by `model.remat`, so the scan keeps each tick's stage input
+  (plus what the remat policy saves): activation memory grows with the microbatches.
+- 1f1b: a scan over every tick, each running one forward or one backward (`jax.vjp` of
+  the stage, recomputed from its saved input); a device keeps at most p stage inputs,
+  gradients are accumulated in the carry and the loss's cotangent starts at the last
+  stage inside the schedule. Memory stays level as microbatches are added.
+
+The batch [B, S] is cut into m microbatches of rows i, i + m, i + 2m, ... so that the
+data-parallel split of the rows is untouched; the loss is the mean over microbatches
+of their token means, equal to the full batch's mean.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.config import Config, ConfigError
+from jaxllm.sharding.pipeline_schedule import BWD, FWD, IDLE, Schedule, build
+
+STACK = "blocks"  # the pipelined stack of the decoder's parameters
+
+
+def check_config(cfg: Config) -> None:
+    """Refuse pipeline settings that cannot run, naming the keys and the fix."""
+    p, m, t = cfg.parallelism, cfg.model, cfg.train
+    pp, v, mb, kind = p.pp, p.pp_repeats, t.microbatches, p.pp_schedule
+    if pp == 1:
+        if v != 1 or mb != 1:
+            raise ConfigError(f"parallelism.pp_repeats={v} and train.microbatches={mb} are "
+                              f"pipeline settings; with parallelism.pp=1 leave them at 1")
+        return
+    if v != 1 and kind != "circular":
+        raise ConfigError(f"parallelism.pp_repeats={v} (stages per device) needs "
+                          f"parallelism.pp_schedule=circular, not {kind!r}")
+    if m.n_layers % (pp * v):
+        raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by parallelism.pp="
+                          f"{pp} x parallelism.pp_repeats={v} = {pp * v} stages; choose "
+                          f"n_layers, pp and pp_repeats so that it is")
+    if kind == "circular" and mb % pp:
+        raise ConfigError(f"train.microbatches={mb} must be a multiple of parallelism.pp={pp} "
+                          f"for pp_schedule=circular (microbatches enter in groups of pp)")
+    if kind == "1f1b" and mb < pp:
+        raise ConfigError(f"train.microbatches={mb} must be >= parallelism.pp={pp} for "
+                          f"pp_schedule=1f1b; raise train.microbatches")
+    if t.batch_size % mb:
+        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by "
+                          f"train.microbatches={mb}")
+    if p.cp != 1:
+        raise ConfigError(f"parallelism.cp={p.cp} with parallelism.pp={pp} is not supported; "
+                          f"set one of them to 1")
+    if m.mtp_depth:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallelism.pp={pp} is not "
+                          f"supported (the MTP modules read the last hidden state outside the "
+                          f"pipeline); set model.mtp_depth=0 or parallelism.pp=1")
+    if t.distill_from:
+        raise ConfigError(f"train.distill_from with parallelism.pp={pp} is not supported; "
+                          f"distil with parallelism.pp=1")
+
+
+def schedule_of(cfg: Config) -> Schedule:
+    """The schedule table of the config's pipeline settings."""
+    p = cfg.parallelism
+    return build(p.pp_schedule, p.pp, cfg.train.microbatches, p.pp_repeats)
+
+
+def stage_axes(logical):
+    """Logical axes of the parameters with the pipelined stack's `layers` axis named
+    `stages` (which `rules.py` shards over pp); other stacks keep `layers`."""
+    if STACK not in logical:
+        raise ConfigError(f"parallelism.pp > 1 splits the model's `{STACK}` stack into "
+                          f"stages, but this model has none ({sorted(logical)}); set "
+                          f"parallelism.pp=1")
+    out = dict(logical)
+    out[STACK] = jax.tree.map(lambda names: ("stages",) + tuple(names[1:]), logical[STACK],
+                              is_leaf=lambda x: isinstance(x, tuple))
+    return out
+
+
+class Pipeline:
+    """The pipelined loss and gradients of one config's model over a mesh with pp > 1."""
+
+    def __init__(self, cfg: Config, graphdef: nnx.GraphDef, mesh, token_loss: Callable):
+        check_config(cfg)
+        self.graphdef, self.mesh, self.token_loss = graphdef, mesh, token_loss
+        self.p, self.v = cfg.parallelism.pp, cfg.parallelism.pp_repeats
+        self.m, self.kind = cfg.train.microbatches, cfg.parallelism.pp_schedule
+        from jaxllm.model.decoder import REMAT_POLICIES  # the model imports sharding
+        self.remat = cfg.model.remat
+        self.remat_policy = REMAT_POLICIES.get(self.remat)
+        self.schedule = schedule_of(cfg)
+
+    # -- the model in pieces ------------------------------------------------------------
+
+    def _model(self, rest, chunk):
+        return nnx.merge(self.graphdef, {**rest, STACK: chunk})
+
+    def _stage(self, chunk, rest, x):
+        """One stage: its L/(p v) layers over x (b, S, d)."""
+        def run(chunk, rest, x):
+            positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+            return self._model(rest, chunk).run_blocks(x, positions)
+        if self.remat != "none":
+            run = jax.checkpoint(run, policy=self.remat_policy)
+        return run(chunk, rest, x)
+
+    def _embed(self, chunk, rest, tokens):
+        return self._model(rest, chunk).embed(tokens)
+
+    def _head_loss(self, chunk, rest, h, targets):
+        return self.token_loss(self._model(rest, chunk).logits(h), targets)
+
+    def _forward(self, chunk, rest, x_in, tokens, first):
+        """Stage input (the embedding on the first stage) -> stage output."""
+        x = jnp.where(first, self._embed(chunk, rest, tokens), x_in)
+        return self._stage(chunk, rest, x)
+
+    def _activation(self, chunk, rest, tokens) -> jax.ShapeDtypeStruct:
+        """Shape and dtype of the activation passed between stages."""
+        return jax.eval_shape(lambda: self._stage(chunk, rest, self._embed(chunk, rest, tokens)))
+
+    # -- layouts around the shard_map -------------------------------------------------
+
+    def _to_pipeline_order(self, blocks):
+        """[L, ...] in layer order -> [L, ...] whose contiguous pp blocks are each device's
+        v stages (r p + d for r < v); the identity for v = 1."""
+        if self.v == 1:
+            return blocks
+        p, v = self.p, self.v
+        return jax.tree.map(lambda x: x.reshape(v, p, -1, *x.shape[1:]).swapaxes(0, 1)
+                            .reshape(x.shape), blocks)
+
+    def _microbatches(self, batch):
+        """[B, S] -> [m, B/m, S]: microbatch i holds rows i, i + m, ..."""
+        cut = lambda x: x.reshape(x.shape[0] // self.m, self.m, *x.shape[1:]).swapaxes(0, 1)
+        return cut(batch["inputs"]), cut(batch["targets"])
+
+    def _shard_map(self, body, out_specs):
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(P("pp"), P(), P(), P()),
+                             out_specs=out_specs, axis_names=frozenset({"pp"}),
+                             check_vma=False)  # the attention's own shard_map is unchecked
+
+    # -- gpipe and circular: forward ticks, autodiff for the backward -------------------
+
+    def loss(self, params, batch):
+        """(loss, aux) of the batch through the pipeline's forward ticks (any schedule)."""
+        rest = {k: v for k, v in params.items() if k != STACK}
+        inputs, targets = self._microbatches(batch)
+        fwd = self.schedule if self.kind != "1f1b" else build("gpipe", self.p, self.m)
+        ticks = jnp.asarray(fwd.forward_ticks())  # [T, p, 2] (microbatch, stage)
+        p, v, m = self.p, self.v, self.m
+        last = p * v - 1
+
+        def body(blocks, rest, inputs, targets):
+            d = jax.lax.axis_index("pp")
+            stages = jax.tree.map(lambda x: x.reshape(v, -1, *x.shape[1:]), blocks)
+            act = self._activation(jax.tree.map(lambda x: x[0], stages), rest, inputs[0])
+
+            def tick(carry, row):
+                state, total = carry
+                mb, s = row[d, 0], row[d, 1]
+                i = jnp.maximum(mb, 0)
+                chunk = jax.tree.map(lambda x: x[jnp.maximum(s, 0) // p], stages)
+                y = self._forward(chunk, rest, state, inputs[i], s == 0)
+                loss = jax.lax.cond(
+                    s == last,
+                    jax.checkpoint(lambda y: self._head_loss(chunk, rest, y, targets[i])),
+                    lambda y: jnp.zeros((), jnp.float32), y)
+                state = jax.lax.ppermute(y, "pp", [(j, (j + 1) % p) for j in range(p)])
+                return (state, total + loss), None
+
+            init = (jnp.zeros(act.shape, act.dtype), jnp.zeros((), jnp.float32))
+            (_, total), _ = jax.lax.scan(tick, init, ticks)
+            return jax.lax.psum(total, "pp") / m
+
+        blocks = self._to_pipeline_order(params[STACK])
+        loss = self._shard_map(body, P())(blocks, rest, inputs, targets)
+        return loss, {"loss": loss}
+
+    # -- 1f1b: every tick by hand -------------------------------------------------------
+
+    def _slots(self) -> tuple[int, int]:
+        """Buffer slots (microbatch i in slot i % K) for stage inputs and for incoming
+        cotangents: the fewest K for which no live microbatch is overwritten."""
+        ops, p = self.schedule.ops, self.p
+        f = {(int(mb), d): t for t, row in enumerate(ops) for d, (op, mb, _) in enumerate(row)
+             if op == FWD}
+        b = {(int(mb), d): t for t, row in enumerate(ops) for d, (op, mb, _) in enumerate(row)
+             if op == BWD}
+        # (written at the end of tick, last read at tick) per microbatch and device
+        acts = [(i, d, f[i, d - 1], b[i, d]) for i in range(self.m) for d in range(1, p)]
+        cots = [(i, d, b[i, d + 1], b[i, d]) for i in range(self.m) for d in range(p - 1)]
+        return _fewest_slots(acts), _fewest_slots(cots)
+
+    def _value_and_grad_1f1b(self, params, batch):
+        rest = {k: v for k, v in params.items() if k != STACK}
+        inputs, targets = self._microbatches(batch)
+        ops = jnp.asarray(self.schedule.ops)  # [T, p, 3]
+        p, m = self.p, self.m
+        k_act, k_cot = self._slots()
+
+        def body(blocks, rest, inputs, targets):
+            d = jax.lax.axis_index("pp")
+            first, last = d == 0, d == p - 1
+            act = self._activation(blocks, rest, inputs[0])
+            zeros = jnp.zeros(act.shape, act.dtype)
+
+            def full(chunk, rest, x_in, tokens, tgt):
+                y = self._forward(chunk, rest, x_in, tokens, first)
+                loss = jax.lax.cond(last, lambda y: self._head_loss(chunk, rest, y, tgt),
+                                    lambda y: jnp.zeros((), jnp.float32), y)
+                return y, loss
+
+            def tick(carry, row):
+                acts, cots, g_blocks, g_rest, total = carry
+                op, mb = row[d, 0], jnp.maximum(row[d, 1], 0)
+                x_in, dy = acts[mb % k_act], cots[mb % k_cot]
+
+                def idle(g_blocks, g_rest, total):
+                    return zeros, zeros, g_blocks, g_rest, total
+
+                def forward(g_blocks, g_rest, total):
+                    y = self._forward(blocks, rest, x_in, inputs[mb], first)
+                    return y, zeros, g_blocks, g_rest, total
+
+                def backward(g_blocks, g_rest, total):
+                    (_, loss), vjp = jax.vjp(lambda c, r, x: full(c, r, x, inputs[mb],
+                                                                  targets[mb]),
+                                             blocks, rest, x_in)
+                    dy_in = jnp.where(last, jnp.zeros_like(dy), dy)
+                    gc, gr, dx = vjp((dy_in, jnp.where(last, 1.0 / m, 0.0)))
+                    add = lambda a, b: jax.tree.map(jnp.add, a, b)
+                    return zeros, dx, add(g_blocks, gc), add(g_rest, gr), total + loss
+
+                y, dx, g_blocks, g_rest, total = jax.lax.switch(
+                    op, [idle, forward, backward], g_blocks, g_rest, total)
+                y = jax.lax.ppermute(y, "pp", [(j, j + 1) for j in range(p - 1)])
+                dx = jax.lax.ppermute(dx, "pp", [(j + 1, j) for j in range(p - 1)])
+                # what the neighbours just sent: store it in the microbatch's slot
+                prev, nxt = row[(d - 1) % p], row[(d + 1) % p]
+                got_act = (d > 0) & (prev[0] == FWD)
+                got_cot = (d < p - 1) & (nxt[0] == BWD)
+                i, j = jnp.maximum(prev[1], 0) % k_act, jnp.maximum(nxt[1], 0) % k_cot
+                acts = acts.at[i].set(jnp.where(got_act, y, acts[i]))
+                cots = cots.at[j].set(jnp.where(got_cot, dx, cots[j]))
+                return (acts, cots, g_blocks, g_rest, total), None
+
+            zero_like = lambda t: jax.tree.map(jnp.zeros_like, t)
+            init = (jnp.zeros((k_act,) + act.shape, act.dtype),
+                    jnp.zeros((k_cot,) + act.shape, act.dtype),
+                    zero_like(blocks), zero_like(rest), jnp.zeros((), jnp.float32))
+            (_, _, g_blocks, g_rest, total), _ = jax.lax.scan(tick, init, ops)
+            return (jax.lax.psum(total, "pp") / m, g_blocks,
+                    jax.tree.map(lambda g: jax.lax.psum(g, "pp"), g_rest))
+
+        loss, g_blocks, g_rest = self._shard_map(body, (P(), P("pp"), P()))(
+            params[STACK], rest, inputs, targets)
+        return (loss, {"loss": loss}), {**g_rest, STACK: g_blocks}
+
+    def value_and_grad(self, params, batch):
+        """((loss, aux), grads) of the batch, as `jax.value_and_grad(loss_fn, has_aux=True)`."""
+        if self.kind == "1f1b":
+            return self._value_and_grad_1f1b(params, batch)
+        return jax.value_and_grad(self.loss, has_aux=True)(params, batch)
+
+
+def _fewest_slots(intervals) -> int:
+    """The fewest K such that two microbatches in slot i % K of one device are never live
+    together; (i, device, w, r): written at the end of tick w, last read at tick r."""
+    by_dev: dict = {}
+    for i, d, w, r in intervals:
+        by_dev.setdefault(d, []).append((i, w, r))
+    k = 1
+    while True:
+        ok = all(not (w1 < r2 and w2 < r1)
+                 for rows in by_dev.values() for a, (i1, w1, r1) in enumerate(rows)
+                 for i2, w2, r2 in rows[a + 1:] if (i1 - i2) % k == 0)
+        if ok:
+            return k
+        k += 1

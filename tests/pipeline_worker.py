@@ -1,0 +1,68 @@
+"""Runs the pipeline layouts for tests/test_pipeline.py in a fresh process.
+
+    python tests/pipeline_worker.py OUT     # pp = 1 and every pipeline layout
+
+As tests/sharding_worker.py (whose training loop it reuses): XLA without backend
+optimisation, one training step per layout (the Adam moments after one step are linear
+in the gradients, so equal states mean equal gradients), results.json and one .npz of
+the state per layout in OUT.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sharding_worker as base  # noqa: E402
+
+base.STEPS = 1
+MODEL = ["model.n_layers=8"]  # 8 layers: 2 or 4 devices x 2 stages each for circular
+
+LAYOUTS = {
+    "gpipe_pp2_dp2_tp2_remat": ["parallelism.pp=2", "parallelism.dp=2", "parallelism.tp=2",
+                                "parallelism.pp_schedule=gpipe", "train.microbatches=2",
+                                "model.remat=full"],
+    "gpipe_pp4_fsdp2": ["parallelism.pp=4", "parallelism.dp=1", "parallelism.fsdp=2",
+                        "parallelism.pp_schedule=gpipe", "train.microbatches=4"],
+    "circular_pp2_v2_dp4": ["parallelism.pp=2", "parallelism.dp=4",
+                            "parallelism.pp_schedule=circular", "parallelism.pp_repeats=2",
+                            "train.microbatches=2"],
+    "circular_pp4_v2_tp2": ["parallelism.pp=4", "parallelism.dp=1", "parallelism.tp=2",
+                            "parallelism.pp_schedule=circular", "parallelism.pp_repeats=2",
+                            "train.microbatches=4"],
+    "1f1b_pp2_dp2_tp2": ["parallelism.pp=2", "parallelism.dp=2", "parallelism.tp=2",
+                         "parallelism.pp_schedule=1f1b", "train.microbatches=4"],
+    "1f1b_pp4_fsdp2_zero1": ["parallelism.pp=4", "parallelism.dp=1", "parallelism.fsdp=2",
+                             "parallelism.pp_schedule=1f1b", "train.microbatches=4",
+                             "train.zero_stage=1"],
+}
+
+
+def run_all(out: Path):
+    import jax
+    import numpy as np
+
+    from jaxllm.config import load_config
+    from jaxllm.train.trainer import sharding_plan
+
+    host_init = jax.device_get(sharding_plan(load_config(None, base.SMALL + MODEL),
+                                             jax.devices()[:1]).init_params())
+    results = {}
+    for name, overrides in [("single", ["parallelism.dp=1"])] + list(LAYOUTS.items()):
+        t0 = time.time()
+        try:
+            devices = jax.devices()[:1] if name == "single" else None
+            record, flat, plan = base.run_layout(MODEL + overrides, devices, host_init)
+            np.savez(out / f"{name}.npz", **flat)
+            results[name] = {**record, "seconds": time.time() - t0}
+        except Exception:  # reported by the test of this layout
+            results[name] = {"error": traceback.format_exc()}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    run_all(Path(sys.argv[1]))
