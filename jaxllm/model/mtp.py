@@ -37,7 +37,7 @@ class MTPModule(nnx.Module):
         """h (B, S, d) previous depth's hidden, e (B, S, d) embeddings of the tokens k ahead
         -> this depth's hidden (B, S, d)."""
         x = self.proj(jnp.concatenate([self.h_norm(h), self.e_norm(e)], axis=-1))
-        return self.block(x, positions)
+        return self.block(x, positions)[0]
 
 
 class MTPHeads(nnx.Module):
