@@ -87,6 +87,7 @@ class Decoder(nnx.Module):
         return self.logits(h), h, stats
 
     def __call__(self, tokens, *, return_hidden: bool = False):
+        """`forward`'s logits (and hidden states with return_hidden)."""
         logits, h, _ = self.forward(tokens)
         return (logits, h) if return_hidden else logits
 

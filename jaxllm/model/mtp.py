@@ -6,6 +6,7 @@ the final norm) with the embedding of token t_{i+k}:
 
     x = W [rmsnorm(h^{k-1}_i) ; rmsnorm(embed(t_{i+k}))]      # 2d -> d
     h^k = Block(x)                                             # one causal transformer block
+                                                               # (dense, also in MoE models)
     logits = Decoder.logits(h^k)                                # shared final norm + head
 
 so h^k predicts t_{i+k+1}. The embedding and the output head are the main model's.
