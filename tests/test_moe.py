@@ -181,7 +181,7 @@ def test_generate_equals_greedy_forward():
     model = jaxllm.build_model(cfg.model, rngs=nnx.Rngs(4))
     graphdef, state = nnx.split(model)
     bias = state["blocks"]["mlp"]["expert_bias"]
-    bias.value = 0.2 * jax.random.normal(jax.random.key(1), bias.value.shape)
+    bias[...] = 0.2 * jax.random.normal(jax.random.key(1), bias[...].shape)
     model = nnx.merge(graphdef, state)
     prompt = [1, 40, 41, 42, 43]
     out = jaxllm.generate(model, cfg, [prompt], max_new_tokens=8, temperature=0.0,
