@@ -3,9 +3,9 @@
     cfg = load_config("configs/tiny.yaml", overrides=["model.n_layers=2", "train.lr=1e-3"])
 
 Sections are frozen dataclasses, some with nested ones (`inference.speculative`,
-`model.rope_scaling`, `model.mla`), built from YAML mappings by one generic builder:
-unknown keys are errors with a did-you-mean, types are checked (a `Literal` field takes
-one of its values), each section checks its own values when built, and `Config.check`
+`model.rope_scaling`, `model.mla`, `model.moe`), built from YAML mappings by one generic
+builder: unknown keys are errors with a did-you-mean, types are checked (a `Literal` field
+takes one of its values), each section checks its own values when built, and `Config.check`
 the ones that span sections. Nothing is silently clamped or ignored.
 """
 from __future__ import annotations
@@ -144,6 +144,62 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """model.moe, mixture-of-experts feed-forward blocks (DeepSeek-V3, Qwen3-MoE, Mixtral).
+
+    Each token goes through the `top_k` of `num_experts` routed SwiGLU experts (width
+    `expert_mlp_dim`) its router picks, weighted by the router's scores, plus the dense
+    SwiGLU of `num_shared_experts` x expert_mlp_dim that every token takes (DeepSeek). The
+    first `dense_layers` layers keep the dense MLP of model.mlp_dim. With n_groups > 1 the
+    experts fall into groups and a token picks among the `topk_groups` groups of highest
+    summed top-2 scores (DeepSeek-V3's group-limited routing). Balancing: "aux_loss" adds
+    aux_loss_weight x the Switch load-balancing loss to the objective; "bias" adds a
+    per-expert bias to the scores for choosing (not weighting) experts and moves it by
+    bias_update_rate x sign(mean load - load) after every step (DeepSeek-V3's
+    auxiliary-loss-free balancing); "none" does neither.
+    """
+    num_experts: int
+    top_k: int
+    expert_mlp_dim: int
+    num_shared_experts: int = 0
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    n_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0  # factor on the routed experts' weights
+    dense_layers: int = 0
+    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
+    aux_loss_weight: float = 0.01
+    bias_update_rate: float = 1e-3
+
+    def __post_init__(self):
+        w = "model.moe"
+        _positive(w, self, ("num_experts", "top_k", "expert_mlp_dim", "n_groups",
+                            "topk_groups", "routed_scaling"))
+        for name in ("num_shared_experts", "dense_layers", "aux_loss_weight",
+                     "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{w}.{name}={getattr(self, name)} must be >= 0")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"{w}.top_k={self.top_k} exceeds {w}.num_experts="
+                              f"{self.num_experts}; choose top_k <= num_experts")
+        if self.num_experts % self.n_groups:
+            raise ConfigError(f"{w}.n_groups={self.n_groups} does not divide {w}.num_experts="
+                              f"{self.num_experts}; choose a divisor")
+        if self.topk_groups > self.n_groups:
+            raise ConfigError(f"{w}.topk_groups={self.topk_groups} exceeds {w}.n_groups="
+                              f"{self.n_groups}")
+        reachable = self.topk_groups * (self.num_experts // self.n_groups)
+        if self.top_k > reachable:
+            raise ConfigError(f"{w}.top_k={self.top_k} exceeds the {reachable} experts of the "
+                              f"topk_groups={self.topk_groups} chosen groups; raise "
+                              f"{w}.topk_groups or lower top_k")
+        if self.balance == "bias" and self.bias_update_rate == 0:
+            raise ConfigError(f"{w}.balance='bias' needs {w}.bias_update_rate > 0; or choose "
+                              f"balance 'none'")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 258  # the byte tokenizer: 256 bytes + BOS + EOS
     d_model: int = 128
@@ -169,6 +225,7 @@ class ModelConfig:
     max_seq_len: int = 2048  # longest sequence generation may build a cache for
     mtp_depth: int = 0  # multi-token-prediction modules (speculative drafting)
     init_std: float = 0.02
+    moe: MoEConfig | None = None  # mixture-of-experts feed-forward blocks
 
     def __post_init__(self):
         _positive("model", self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -206,18 +263,30 @@ class ModelConfig:
                                   f"and takes no {', '.join(unused)}: set n_kv_heads = n_heads"
                                   f" and leave the others unset")
 
+        if self.moe is not None and self.moe.dense_layers >= self.n_layers:
+            raise ConfigError(f"model.moe.dense_layers={self.moe.dense_layers} leaves no MoE "
+                              f"layer of model.n_layers={self.n_layers}; lower it or drop "
+                              f"model.moe")
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
-    def num_params(self, *, embeddings: bool = True) -> int:
-        """Parameter count of the decoder (MTP modules excluded)."""
+    def num_params(self, *, embeddings: bool = True, active: bool = False) -> int:
+        """Parameter count of the decoder (MTP modules excluded); `active`: those one token
+        uses, its top_k routed experts of each MoE layer instead of all of them."""
         d, hd = self.d_model, self.resolved_head_dim
         attn = d * hd * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hd * d
         if self.mla is not None:
             attn = self.mla.num_params(d, self.n_heads)
         layer = attn + 3 * d * self.mlp_dim + 2 * d
         n = self.n_layers * layer + d
+        if self.moe is not None:
+            m = self.moe
+            routed = (m.top_k if active else m.num_experts) * 3 * d * m.expert_mlp_dim
+            shared = 3 * d * m.num_shared_experts * m.expert_mlp_dim
+            moe_layers = self.n_layers - m.dense_layers
+            n += moe_layers * (d * m.num_experts + routed + shared - 3 * d * self.mlp_dim)
         if embeddings:
             n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return n
@@ -226,9 +295,10 @@ class ModelConfig:
         """Training FLOPs per token: 6 N_non-embedding + 12 L H D S (attention, no causal halving;
         with MLA 6 L H (D_qk + D_v) S: scores over the query-key dim, values over D_v).
 
-        The LM head matmul is counted as part of N when embeddings are untied.
+        N counts active parameters (an MoE token runs its top_k experts only); the LM head
+        matmul is counted as part of N when embeddings are untied.
         """
-        n = self.num_params(embeddings=False)
+        n = self.num_params(embeddings=False, active=True)
         if not self.tie_embeddings:
             n += self.vocab_size * self.d_model
         dims = (2 * self.resolved_head_dim if self.mla is None

@@ -5,7 +5,8 @@ into one weight and gate/up into another (multi-head latent attention: its proje
 kv_b split into the key part W_uk the queries are absorbed through and the value part
 W_uv), every weight stored out-major ([*out, in]: each
 output's weights contiguous, the layout of the fused decode matmuls), all cast to the
-compute dtype. The model's config and the row limit of the fused kernels ride along as
+compute dtype. An MoE layer's routed experts stay stacked [E, ...] for the grouped matmuls
+(`MoEParams`), its shared experts take the dense MLP's place. The model's config and the row limit of the fused kernels ride along as
 static fields, so a jitted step needs nothing else.
 """
 from __future__ import annotations
@@ -19,10 +20,21 @@ from flax import nnx, struct
 from jaxllm.config import Config, ModelConfig
 from jaxllm.kernels import pick
 from jaxllm.model.layers import as_dtype, rope_magnitude
+from jaxllm.model.moe import ExpertBias
 
 # Steps of at most this many rows (batch x new tokens) run each layer in the fused decode
 # matmuls when they are picked; XLA's matmuls do better above (docs/performance.md).
 FUSED_ROWS = 1
+
+
+@struct.dataclass
+class MoEParams:
+    """An MoE layer's routed experts (model/moe.py), in the layout of its grouped matmuls."""
+    router: jax.Array  # [E, d]
+    expert_bias: jax.Array | None  # [E] float32, selection only ("bias" balancing)
+    gate: jax.Array  # [E, d, F]
+    up: jax.Array  # [E, d, F]
+    down: jax.Array  # [E, F, d]
 
 
 @struct.dataclass
@@ -34,8 +46,9 @@ class LayerParams:
     k_norm: jax.Array | None  # [D]
     o: jax.Array  # [d, Hq * D]
     mlp_norm: jax.Array  # [d]
-    gate_up: jax.Array  # [2, F, d]
-    down: jax.Array  # [d, F]
+    gate_up: jax.Array | None  # [2, F, d]: the dense MLP, or an MoE layer's shared experts
+    down: jax.Array | None  # [d, F]
+    moe: MoEParams | None = None  # the routed experts of an MoE layer
 
 
 @struct.dataclass
@@ -51,8 +64,9 @@ class MLALayerParams:
     w_uv: jax.Array  # [H, Dv, kv_lora_rank]: the latent -> each head's v
     o: jax.Array  # [d, H * Dv]
     mlp_norm: jax.Array  # [d]
-    gate_up: jax.Array  # [2, F, d]
-    down: jax.Array  # [d, F]
+    gate_up: jax.Array | None  # [2, F, d]: the dense MLP, or an MoE layer's shared experts
+    down: jax.Array | None  # [d, F]
+    moe: MoEParams | None = None  # the routed experts of an MoE layer
 
 
 @struct.dataclass
@@ -83,8 +97,26 @@ def _out_major(w, n_in: int = 1):
     return jnp.moveaxis(w, tuple(range(n_in)), tuple(range(w.ndim - n_in, w.ndim)))
 
 
+def _moe(mlp: dict) -> MoEParams:
+    return MoEParams(router=_out_major(mlp["router"]), expert_bias=mlp.get("expert_bias"),
+                     gate=mlp["gate"], up=mlp["up"], down=mlp["down"])
+
+
+def _dense_mlp(mlp: dict) -> tuple:
+    """(gate_up, down, moe) of a block's feed-forward part: an MoE layer's dense SwiGLU is
+    its shared experts (None without them)."""
+    moe = _moe(mlp) if "router" in mlp else None
+    if moe is not None:
+        mlp = mlp.get("shared")
+    if mlp is None:
+        return None, None, moe
+    return (_out_major(jnp.stack([mlp["gate"]["kernel"], mlp["up"]["kernel"]], axis=1)),
+            _out_major(mlp["down"]["kernel"]), moe)
+
+
 def _mla_layer(blk: dict, nope: int) -> MLALayerParams:
-    attn, mlp = blk["attn"], blk["mlp"]
+    attn = blk["attn"]
+    gate_up, down, moe = _dense_mlp(blk["mlp"])
     low_rank = "q_a" in attn
     kv_b = _out_major(attn["kv_b"]["kernel"])  # [H, nope + Dv, rank]
     o = attn["o"]["kernel"]  # [H, Dv, d]
@@ -96,14 +128,14 @@ def _mla_layer(blk: dict, nope: int) -> MLALayerParams:
         kv_a=_out_major(attn["kv_a"]["kernel"]), kv_norm=attn["kv_norm"]["scale"],
         w_uk=kv_b[:, :nope], w_uv=kv_b[:, nope:],
         o=_out_major(o, 2).reshape(o.shape[-1], -1), mlp_norm=blk["mlp_norm"]["scale"],
-        gate_up=_out_major(jnp.stack([mlp["gate"]["kernel"], mlp["up"]["kernel"]], axis=1)),
-        down=_out_major(mlp["down"]["kernel"]))
+        gate_up=gate_up, down=down, moe=moe)
 
 
 def _layer(blk: dict, cfg: ModelConfig) -> LayerParams | MLALayerParams:
     if cfg.mla is not None:
         return _mla_layer(blk, cfg.mla.qk_nope_head_dim)
-    attn, mlp = blk["attn"], blk["mlp"]
+    attn = blk["attn"]
+    gate_up, down, moe = _dense_mlp(blk["mlp"])
     qkv = jnp.concatenate([attn[n]["kernel"] for n in "qkv"], axis=1)  # [d, Hq + 2 Hkv, D]
     bias = (jnp.concatenate([attn[n]["bias"] for n in "qkv"], axis=0)
             if "bias" in attn["q"] else None)
@@ -113,18 +145,18 @@ def _layer(blk: dict, cfg: ModelConfig) -> LayerParams | MLALayerParams:
         attn_norm=blk["attn_norm"]["scale"], qkv=_out_major(qkv), qkv_bias=bias,
         q_norm=qk_norm[0], k_norm=qk_norm[1],
         o=_out_major(o, 2).reshape(o.shape[-1], -1), mlp_norm=blk["mlp_norm"]["scale"],
-        gate_up=_out_major(jnp.stack([mlp["gate"]["kernel"], mlp["up"]["kernel"]], axis=1)),
-        down=_out_major(mlp["down"]["kernel"]))
+        gate_up=gate_up, down=down, moe=moe)
 
 
 def _fused_rows(m: ModelConfig, impl: str) -> int:
     """FUSED_ROWS when `impl` (inference.matmul_impl) picks the fused decode matmuls for
     every projection of a layer, else 0. An explicit pick they cannot take raises."""
-    if m.attention == "mla" or rope_magnitude(m.rope_scaling) != 1.0:
+    if m.attention == "mla" or rope_magnitude(m.rope_scaling) != 1.0 or m.moe is not None:
         if impl == "pallas_triton":
             raise ValueError("inference.matmul_impl='pallas_triton': the fused decode matmuls "
-                             "take grouped-query attention with unscaled RoPE magnitudes (no "
-                             "MLA, no YaRN mscale); use 'auto' or 'xla'")
+                             "take grouped-query attention with unscaled RoPE magnitudes and "
+                             "dense MLPs (no MLA, no YaRN mscale, no model.moe); use 'auto' "
+                             "or 'xla'")
         return 0
     for flag, what in (("qkv_bias", "no q/k/v bias"), ("qk_norm", "no q/k head norm")):
         if getattr(m, flag):
@@ -149,7 +181,7 @@ def decode_params(model, cfg: Config, *, fused_rows: int | None = None) -> Decod
     `fused_rows` overrides the row limit of the fused decode matmuls (tests use it to run
     them on steps of several rows); by default it follows inference.matmul_impl.
     """
-    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    state = nnx.to_pure_dict(nnx.state(model, (nnx.Param, ExpertBias)))
     if fused_rows is None:
         fused_rows = _fused_rows(model.cfg, cfg.inference.matmul_impl)
     return _convert(state, model.cfg, fused_rows)
@@ -158,9 +190,9 @@ def decode_params(model, cfg: Config, *, fused_rows: int | None = None) -> Decod
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _convert(state: dict, cfg: ModelConfig, fused_rows: int) -> DecodeParams:
     dtype = as_dtype(cfg.dtype)
-    blocks = state["blocks"]
+    stacks = [state[k] for k in ("dense_blocks", "blocks") if state.get(k)]  # in layer order
     layers = tuple(_layer(jax.tree.map(lambda a, i=i: a[i], blocks), cfg)
-                   for i in range(cfg.n_layers))
+                   for blocks in stacks for i in range(len(jax.tree.leaves(blocks)[0])))
     mtp = tuple(MTPParams(h_norm=m["h_norm"]["scale"], e_norm=m["e_norm"]["scale"],
                           proj=_out_major(m["proj"]["kernel"]), block=_layer(m["block"], cfg))
                 for _, m in sorted((state.get("mtp") or {"layers": {}})["layers"].items()))
@@ -169,4 +201,7 @@ def _convert(state: dict, cfg: ModelConfig, fused_rows: int) -> DecodeParams:
                           final_norm=state["final_norm"]["scale"],
                           head=None if head is None else _out_major(head["kernel"]), mtp=mtp,
                           cfg=cfg, fused_rows=fused_rows)
-    return jax.tree.map(lambda x: x.astype(dtype), params)
+    # all in the compute dtype but the expert bias, which chooses experts: kept in float32
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x if getattr(path[-1], "name", None) == "expert_bias"
+        else x.astype(dtype), params)

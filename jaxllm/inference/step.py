@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.inference.cache import ContiguousCache, LatentCache
-from jaxllm.inference.params import DecodeParams, LayerParams, MLALayerParams
+from jaxllm.inference.params import DecodeParams, LayerParams, MLALayerParams, MoEParams
 from jaxllm.kernels import decode_matmul, flash_attention
 from jaxllm.kernels.xla import cached_attention
 from jaxllm.model.layers import apply_rope, as_dtype, rope_frequencies, softmax_scale_factor
+from jaxllm.model.moe import expert_ffn, route
 
 
 def round_up(n: int, m: int) -> int:
@@ -125,8 +126,19 @@ def block(cfg, lp: LayerParams, x, positions, cache, layer: int, *, prefill: boo
     cache = cache.write(layer, k, v, positions)
     o = _attention(cfg, q, k, v, positions, cache, layer, prefill)  # (B, S, Hq, D)
     x = x + dense(o.reshape(b, s, -1), lp.o)
-    gate_up = dense(rms_norm(x, lp.mlp_norm, cfg.norm_eps), lp.gate_up)  # (B, S, 2, F)
-    return x + dense(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], lp.down), cache
+    return _ffn(cfg, lp, x), cache
+
+
+def _ffn(cfg, lp: LayerParams | MLALayerParams, x):
+    """x + the feed-forward block: the dense SwiGLU, or an MoE layer's routed experts plus
+    its shared experts (gate_up None: none)."""
+    h = rms_norm(x, lp.mlp_norm, cfg.norm_eps)
+    if lp.moe is not None:
+        x = x + _routed_experts(cfg, lp.moe, h)
+    if lp.gate_up is None:
+        return x
+    gate_up = dense(h, lp.gate_up)  # (B, S, 2, F)
+    return x + dense(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], lp.down)
 
 
 def _mla_block(cfg, lp: MLALayerParams, x, positions, cache: LatentCache, layer: int, *,
@@ -158,8 +170,16 @@ def _mla_block(cfg, lp: MLALayerParams, x, positions, cache: LatentCache, layer:
                              sm_scale=sm_scale)  # (B, S, H, rank)
         o = jnp.einsum("bshr,hvr->bshv", o_lat, lp.w_uv)
     x = x + dense(o.reshape(b, s, -1), lp.o)
-    gate_up = dense(rms_norm(x, lp.mlp_norm, eps), lp.gate_up)  # (B, S, 2, F)
-    return x + dense(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], lp.down), cache
+    return _ffn(cfg, lp, x), cache
+
+
+def _routed_experts(cfg, mp: MoEParams, h):
+    """An MoE layer's routed experts over h (B, S, d), as model/moe.py's MoE block."""
+    b, s, d = h.shape
+    h2 = h.reshape(b * s, d)
+    logits = jnp.dot(h2, mp.router.T, preferred_element_type=jnp.float32)  # (T, E)
+    ids, weights, _ = route(logits, mp.expert_bias, cfg.moe)
+    return expert_ffn(h2, ids, weights, mp.gate, mp.up, mp.down).reshape(b, s, d)
 
 
 def _fused_block(cfg, lp: LayerParams, x, positions, cache: ContiguousCache, layer: int):

@@ -1,5 +1,9 @@
-"""One transformer block: x + attention(norm(x)), then + SwiGLU(norm(x)); the attention is
-grouped-query or multi-head latent (model.attention)."""
+"""One transformer block: x + attention(norm(x)), then + SwiGLU(norm(x)) or + MoE(norm(x));
+the attention is grouped-query or multi-head latent (model.attention).
+
+A block returns (x, stats): the MoE block's routing statistics (model/moe.py), {} for a
+dense one, so the scanned stack of blocks gives them per layer.
+"""
 from __future__ import annotations
 
 from flax import nnx
@@ -8,10 +12,12 @@ from jaxllm.config import ModelConfig
 from jaxllm.model.attention import Attention
 from jaxllm.model.layers import MLP, RMSNorm, as_dtype
 from jaxllm.model.mla import MLA
+from jaxllm.model.moe import MoE
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
+        """`moe`: the feed-forward part is model.moe's MoE block, else the dense MLP."""
         dtype, pdtype = as_dtype(cfg.dtype), as_dtype(cfg.param_dtype)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # residual outputs scaled by depth
         norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
@@ -31,9 +37,15 @@ class Block(nnx.Module):
                                   sliding_window=cfg.sliding_window, dtype=dtype,
                                   param_dtype=pdtype, rngs=rngs, std=cfg.init_std, out_std=out_std)
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
-        self.mlp = MLP(cfg.d_model, cfg.mlp_dim, dtype=dtype, param_dtype=pdtype, rngs=rngs,
-                       std=cfg.init_std, out_std=out_std)
+        ffn = MoE if moe else MLP
+        self.mlp = ffn(cfg.d_model, cfg.moe if moe else cfg.mlp_dim, dtype=dtype,
+                       param_dtype=pdtype, rngs=rngs, std=cfg.init_std, out_std=out_std)
+        self.moe = moe
 
-    def __call__(self, x, positions):  # x (B, S, d), positions int (B, S) -> (B, S, d)
+    def __call__(self, x, positions):
+        """x (B, S, d), positions int (B, S) -> ((B, S, d), stats)."""
         x = x + self.attn(self.attn_norm(x), positions)
-        return x + self.mlp(self.mlp_norm(x))
+        if not self.moe:
+            return x + self.mlp(self.mlp_norm(x)), {}
+        y, stats = self.mlp(self.mlp_norm(x))
+        return x + y, stats

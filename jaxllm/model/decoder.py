@@ -2,6 +2,9 @@
 
 The N blocks are one stacked module (every parameter has a leading `layers` axis) run by
 `jax.lax.scan`, so compile time does not grow with depth and pipeline stages are slices.
+With model.moe the feed-forward part is the MoE block (model/moe.py), and the first
+moe.dense_layers layers, which keep the dense MLP, are a stack of their own
+(`dense_blocks`) run before the main one (`blocks`).
 Decoding runs its own program over these parameters (`jaxllm.inference`).
 """
 from __future__ import annotations
@@ -31,12 +34,19 @@ class Decoder(nnx.Module):
         self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=pdtype,
                            rngs=rngs, std=cfg.init_std)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs):
-            return Block(cfg, rngs=rngs)
+        def stack(n: int, moe: bool):
+            @nnx.split_rngs(splits=n)
+            @nnx.vmap(in_axes=(0,), out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_blocks(rngs):
+                return Block(cfg, rngs=rngs, moe=moe)
+            return make_blocks(rngs)
 
-        self.blocks = make_blocks(rngs)
+        # with model.moe: its first dense_layers layers keep the dense MLP, a stack of
+        # their own before the uniform MoE stack `blocks`
+        n_dense = cfg.moe.dense_layers if cfg.moe else 0
+        self.dense_blocks = stack(n_dense, moe=False) if n_dense else None
+        self.blocks = stack(cfg.n_layers - n_dense, moe=cfg.moe is not None)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype, param_dtype=pdtype,
                                   rngs=rngs)
         self.head = None if cfg.tie_embeddings else Linear(
@@ -52,24 +62,33 @@ class Decoder(nnx.Module):
             return self.embed.attend(h)
         return self.head(h).astype(jnp.float32)
 
-    def run_blocks(self, x, positions):
-        """The scanned blocks over x (B, S, d) -> hidden (B, S, d)."""
-        graphdef, state = nnx.split(self.blocks)
+    def run_blocks(self, x, positions, blocks=None):
+        """The scanned `blocks` (default: the main stack) over x (B, S, d) -> (hidden
+        (B, S, d), stats): the blocks' MoE routing statistics, each [L, ...] ({} if dense)."""
+        graphdef, state = nnx.split(self.blocks if blocks is None else blocks)
 
         def body(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, positions), None
+            return nnx.merge(graphdef, layer_state)(x, positions)
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
-        return jax.lax.scan(body, x, state)[0]
+        return jax.lax.scan(body, x, state)
 
-    def __call__(self, tokens, *, return_hidden: bool = False):
-        """Training / scoring forward: causal attention over the whole sequence."""
+    def forward(self, tokens):
+        """Training / scoring forward: causal attention over the whole sequence.
+        -> (logits (B, S, V), hidden (B, S, d), MoE stats of the main stack's layers)."""
         b, s = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         x, positions = context.balance(self.embed(tokens), positions)  # cp > 1: reorder
-        h = context.unbalance(self.run_blocks(x, positions))
-        logits = self.logits(h)
+        if self.dense_blocks is not None:
+            x = self.run_blocks(x, positions, self.dense_blocks)[0]
+        h, stats = self.run_blocks(x, positions)
+        h = context.unbalance(h)
+        return self.logits(h), h, stats
+
+    def __call__(self, tokens, *, return_hidden: bool = False):
+        """`forward`'s logits (and hidden states with return_hidden)."""
+        logits, h, _ = self.forward(tokens)
         return (logits, h) if return_hidden else logits
 
 

@@ -6,6 +6,7 @@ the final norm) with the embedding of token t_{i+k}:
 
     x = W [rmsnorm(h^{k-1}_i) ; rmsnorm(embed(t_{i+k}))]      # 2d -> d
     h^k = Block(x)                                             # one causal transformer block
+                                                               # (dense, also in MoE models)
     logits = Decoder.logits(h^k)                                # shared final norm + head
 
 so h^k predicts t_{i+k+1}. The embedding and the output head are the main model's.
@@ -37,7 +38,7 @@ class MTPModule(nnx.Module):
         """h (B, S, d) previous depth's hidden, e (B, S, d) embeddings of the tokens k ahead
         -> this depth's hidden (B, S, d)."""
         x = self.proj(jnp.concatenate([self.h_norm(h), self.e_norm(e)], axis=-1))
-        return self.block(x, positions)
+        return self.block(x, positions)[0]
 
 
 class MTPHeads(nnx.Module):

@@ -79,6 +79,10 @@ def check_config(cfg: Config) -> None:
     if t.distill_from:
         raise ConfigError(f"train.distill_from with parallelism.pp={pp} is not supported; "
                           f"distil with parallelism.pp=1")
+    if m.moe is not None:
+        raise ConfigError(f"model.moe with parallelism.pp={pp} is not supported yet (the MoE "
+                          f"layers' balancing statistics do not leave the pipeline); use "
+                          f"parallelism.pp=1 (and parallelism.ep for the experts)")
 
 
 def schedule_of(cfg: Config) -> Schedule:
@@ -122,7 +126,7 @@ class Pipeline:
         """One stage: its L/(p v) layers over x (b, S, d)."""
         def run(chunk, rest, x):
             positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
-            return self._model(rest, chunk).run_blocks(x, positions)
+            return self._model(rest, chunk).run_blocks(x, positions)[0]
         if self.remat != "none":
             run = jax.checkpoint(run, policy=self.remat_policy)
         return run(chunk, rest, x)

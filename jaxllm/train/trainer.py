@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxllm.config import Config, ConfigError, load_config, save_config
 from jaxllm.model import build_model
+from jaxllm.model.moe import moe_metrics, update_expert_bias
 from jaxllm.model.mtp import mtp_losses
 from jaxllm.sharding import ShardingPlan
 from jaxllm.sharding.memory import describe_memory, step_memory
@@ -98,13 +99,19 @@ class TrainFns:
 def loss_fn(graphdef, params, batch, mtp_weight: float = 0.0):
     """(objective, aux). aux["loss"] is the main model's token cross-entropy; with MTP
     modules the objective adds mtp_weight x their mean loss, and aux holds each depth's
-    loss and accuracy (mtp1_loss, mtp1_acc, ...)."""
+    loss and accuracy (mtp1_loss, mtp1_acc, ...). With MoE layers aux holds their
+    balancing statistics (moe_*; expert_load [L, E]) and, with moe.balance "aux_loss", the
+    objective adds aux_loss_weight x the mean over layers of their aux loss."""
     model = nnx.merge(graphdef, params)
-    logits, h = model(batch["inputs"], return_hidden=True)
+    logits, h, moe_stats = model.forward(batch["inputs"])
     loss = objective = cross_entropy(logits, batch["targets"])
     aux = {"loss": loss}
     if "teacher_logits" in batch:  # distillation (train.distill_from): the KL replaces CE
         aux["distill_kl"] = objective = kl_divergence(batch["teacher_logits"], logits)
+    if moe_stats:
+        aux.update(moe_metrics(moe_stats), expert_load=moe_stats["load"])
+        if model.cfg.moe.balance == "aux_loss":
+            objective = objective + model.cfg.moe.aux_loss_weight * aux["moe_aux_loss"]
     if model.mtp is None:
         return objective, aux
     losses, accs = mtp_losses(model, h, batch["targets"])
@@ -123,12 +130,18 @@ def make_train_fns(cfg: Config, graphdef, plan: ShardingPlan) -> TrainFns:
         pipe = Pipeline(cfg, graphdef, plan.mesh, cross_entropy)
         value_and_grad, eval_loss = pipe.value_and_grad, lambda p, b: pipe.loss(p, b)[0]
 
+    moe = cfg.model.moe
+    bias_rate = moe.bias_update_rate if moe is not None and moe.balance == "bias" else 0.0
+
     def step(params, opt_state, batch):
         (_, aux), grads = value_and_grad(params, batch)
         grads = plan.constrain_grads(grads)  # ZeRO-2/3: reduce-scatter, not all-reduce
         updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, {**aux, "grad_norm": optax.tree.norm(grads)}
+        new = optax.apply_updates(params, updates)
+        load = aux.pop("expert_load", None)
+        if bias_rate:  # auxiliary-loss-free balancing, outside the optimizer
+            new = update_expert_bias(new, params, load, bias_rate)
+        return new, opt_state, {**aux, "grad_norm": optax.tree.norm(grads)}
 
     return TrainFns(graphdef, tx, plan.jit_step(step, tx), plan.jit_eval(eval_loss), plan)
 
@@ -231,6 +244,8 @@ class _Logger:
         mtp = sorted(k[:-5] for k in rec if k.startswith("mtp") and k.endswith("_loss"))
         info += "".join(f"  {m} {rec[m + '_loss']:.3f} ({100 * rec[m + '_acc']:.0f}%)"
                         for m in mtp)
+        if "moe_load_max" in rec:
+            info += f"  expert load max/mean {rec['moe_load_max']:.2f}"
         if "distill_kl" in rec:
             info += f"  KL(teacher||model) {rec['distill_kl']:.4f}"
         if "eval_loss" in rec:
@@ -322,7 +337,9 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
     save_config(cfg, run_dir / "config.yaml")
     logger = _Logger(cfg, run_dir, start)
     n_params = cfg.model.num_params()
-    logger.print(f"model: {n_params / 1e6:.2f}M parameters; data: {len(data.train):,} train / "
+    active = cfg.model.num_params(active=True)
+    logger.print(f"model: {n_params / 1e6:.2f}M parameters"
+                 + (f" ({active / 1e6:.2f}M active)" if active != n_params else "") + f"; data: {len(data.train):,} train / "
                  f"{len(data.val):,} val tokens; devices: {jax.device_count()} x "
                  f"{jax.devices()[0].device_kind}" + (f"; resumed at step {start}" if start else ""))
     logger.print(fns.plan.describe().splitlines()[0] + "\n"
@@ -373,7 +390,7 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
                            "tokens_per_s": tps,
                            "mfu": tps * flops_per_token / peak if peak else None}
                     rec.update({k: float(v) for k, v in jax.device_get(metrics).items()
-                                if k.startswith(("mtp", "distill"))})  # MTP, distillation
+                                if k.startswith(("mtp", "distill", "moe"))})  # MTP, distillation, MoE
                     if is_eval:
                         eval_loss = evaluate(fns, params, cfg, data.val, place)
                         rec["eval_loss"] = eval_loss

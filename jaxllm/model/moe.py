@@ -1,0 +1,140 @@
+"""Mixture-of-experts feed-forward blocks (DeepSeek-V3, Qwen3-MoE, Mixtral), training form.
+
+    router logits [T, E] -> route(): the top_k experts of each token and their weights
+    expert_ffn(): each token through its experts (dropless: every assignment computed)
+    + a dense SwiGLU of the shared experts, which every token takes
+
+`expert_ffn` is the dispatch-compute-combine step on one device: the T x top_k
+assignments sorted by expert, the tokens gathered in that order, one grouped matmul per
+projection (`kernels.grouped_matmul`: expert e multiplies its rows only), and the outputs
+gathered back to their tokens and summed with the router's weights. Expert parallelism
+replaces this one function by an all-to-all form; routing and balancing stay as they are.
+
+Balancing (model.moe.balance): "aux_loss" adds the Switch Transformer's loss
+E * sum_e f_e P_e (f_e: fraction of assignments to expert e, P_e: its mean router
+probability; 1 when balanced) to the objective. "bias" is DeepSeek-V3's auxiliary-loss-free
+balancing: an `ExpertBias` per layer and expert, added to the scores when choosing the top
+k (never in the weights), moved after every step by rate x sign(mean load - load) by
+`update_expert_bias`; it is no parameter of the optimizer. Every MoE block returns its
+`stats` (per-expert load, aux loss, router entropy) for both.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config import MoEConfig
+from jaxllm.kernels import grouped_matmul
+from jaxllm.model.layers import MLP, param
+
+BIAS_KEY = "expert_bias"  # the bias's name in a parameter tree
+
+
+class ExpertBias(nnx.Variable):
+    """The per-expert selection bias of "bias" balancing: state set by the training loop
+    (update_expert_bias), not an optimized parameter."""
+
+
+def route(logits, bias, cfg: MoEConfig):
+    """Top-k routing. logits float32 [T, E]; bias [E] or None (selection only).
+
+    Returns (ids int32 [T, k], weights float32 [T, k], probs float32 [T, E]): the experts
+    of each token, their weights (the unbiased scores of the chosen experts, renormalised
+    with norm_topk_prob, times routed_scaling) and the router's probabilities (scores
+    normalised over the experts) for the balancing statistics.
+    """
+    t, e = logits.shape
+    scores = (jax.nn.softmax(logits, axis=-1) if cfg.router == "softmax"
+              else jax.nn.sigmoid(logits))
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if cfg.n_groups > 1:  # keep the topk_groups groups of highest top-2 sums
+        grouped = choice.reshape(t, cfg.n_groups, e // cfg.n_groups)
+        top2 = jax.lax.top_k(grouped, min(2, e // cfg.n_groups))[0].sum(-1)  # [T, G]
+        kept = jax.lax.top_k(top2, cfg.topk_groups)[1]  # [T, topk_groups]
+        mask = jnp.zeros((t, cfg.n_groups), bool).at[jnp.arange(t)[:, None], kept].set(True)
+        choice = jnp.where(mask[:, :, None], grouped, -jnp.inf).reshape(t, e)
+    ids = jax.lax.top_k(choice, cfg.top_k)[1]
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    probs = scores if cfg.router == "softmax" else scores / scores.sum(-1, keepdims=True)
+    return ids.astype(jnp.int32), weights * cfg.routed_scaling, probs
+
+
+def expert_ffn(x, ids, weights, gate, up, down, *, impl: str = "auto"):
+    """Each token through its experts, dropless. x [T, d]; ids int [T, k]; weights [T, k];
+    gate, up [E, d, f] and down [E, f, d], the stacked SwiGLU experts -> [T, d] in x's dtype,
+    sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)  # [T k]
+    order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)  # rows per expert
+    xs = jnp.take(x, order // k, axis=0)  # [T k, d], each assignment's token
+    dt = x.dtype
+    h = (jax.nn.silu(grouped_matmul(xs, gate.astype(dt), sizes, impl=impl))
+         * grouped_matmul(xs, up.astype(dt), sizes, impl=impl))  # [T k, f]
+    ys = grouped_matmul(h, down.astype(dt), sizes, impl=impl)  # [T k, d]
+    ys = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)  # back to (token, slot)
+    return jnp.einsum("tkd,tk->td", ys.astype(jnp.float32), weights).astype(dt)
+
+
+def routing_stats(ids, probs, num_experts: int) -> dict:
+    """Balancing statistics of one layer's routing: `load` [E] (each expert's fraction of
+    the assignments), `aux_loss` (Switch: E * sum_e load_e * mean prob_e) and `entropy`
+    (the router's mean entropy in nats)."""
+    load = jnp.bincount(ids.reshape(-1), length=num_experts) / ids.size
+    aux = num_experts * jnp.sum(load * probs.mean(0))
+    entropy = -jnp.sum(probs * jnp.log(probs + 1e-20), axis=-1).mean()
+    return {"load": load, "aux_loss": aux, "entropy": entropy}
+
+
+class MoE(nnx.Module):
+    """The MoE feed-forward block: x (B, S, d) -> ((B, S, d), stats of routing_stats)."""
+
+    def __init__(self, d_model: int, cfg: MoEConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 std: float, out_std: float):
+        e, f = cfg.num_experts, cfg.expert_mlp_dim
+        self.router = param(rngs, (d_model, e), ("embed", None), param_dtype, std=std)
+        self.expert_bias = (ExpertBias(jnp.zeros((e,), jnp.float32), out_sharding=(None,),
+                                       eager_sharding=False)
+                            if cfg.balance == "bias" else None)
+        self.gate = param(rngs, (e, d_model, f), ("experts", "embed", "mlp"), param_dtype, std=std)
+        self.up = param(rngs, (e, d_model, f), ("experts", "embed", "mlp"), param_dtype, std=std)
+        self.down = param(rngs, (e, f, d_model), ("experts", "mlp", "embed"), param_dtype,
+                          std=out_std)
+        self.shared = (MLP(d_model, cfg.num_shared_experts * f, dtype=dtype,
+                           param_dtype=param_dtype, rngs=rngs, std=std, out_std=out_std)
+                       if cfg.num_shared_experts else None)
+        self.cfg, self.dtype = cfg, dtype
+
+    def __call__(self, x):
+        b, s, d = x.shape
+        x2 = x.reshape(b * s, d).astype(self.dtype)  # (T, d)
+        logits = jnp.dot(x2, self.router[...].astype(self.dtype),
+                         preferred_element_type=jnp.float32)  # (T, E)
+        bias = None if self.expert_bias is None else self.expert_bias[...]
+        ids, weights, probs = route(logits, bias, self.cfg)
+        y = expert_ffn(x2, ids, weights, self.gate[...], self.up[...], self.down[...])
+        y = y.reshape(b, s, d)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y, routing_stats(ids, probs, self.cfg.num_experts)
+
+
+def update_expert_bias(params, before, load, rate: float):
+    """DeepSeek-V3's bias update after a step: `params` (the step's result) with every
+    `expert_bias` leaf [L, E] set to its value in `before` (the step's input, so nothing the
+    optimizer did to it counts) + rate * sign(mean load - load), `load` [L, E] the step's."""
+    step = rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, w, w0: (w0 + step).astype(w0.dtype)
+        if getattr(path[-1], "key", None) == BIAS_KEY else w, params, before)
+
+
+def moe_metrics(stats: dict) -> dict:
+    """Scalars to log from the stacked stats of the MoE layers (each [L, ...]): the max
+    over layers of max/mean expert load, the mean router entropy and aux loss."""
+    load = stats["load"]  # [L, E]
+    return {"moe_load_max": jnp.max(load.max(-1) / load.mean(-1)),
+            "moe_entropy": stats["entropy"].mean(), "moe_aux_loss": stats["aux_loss"].mean()}
