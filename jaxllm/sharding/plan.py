@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.config import Config, ConfigError
 from jaxllm.sharding.constrain import ShardingContext, traced_in
 from jaxllm.sharding.context import attention_with_lse, balanced_order
+from jaxllm.sharding.experts import check_experts
 from jaxllm.sharding.mesh import describe_mesh, make_mesh
 from jaxllm.sharding.rules import Rules
 
@@ -69,6 +70,8 @@ class ShardingPlan:
         if mesh.shape["cp"] > 1:
             balanced_order(t.seq_len, mesh.shape["cp"])  # raises unless 2 cp divides seq_len
             attention_with_lse(cfg.model.attention_impl)  # raises if it has no log-sum-exp
+        # ep splits an MoE model's experts (a dense model's batch only)
+        check_experts(cfg.model.moe and cfg.model.moe.num_experts, mesh.shape["ep"])
         graphdef, state = nnx.split(nnx.eval_shape(make_model))
         plan = cls(mesh, rules, ShardingContext(mesh, rules, p.cp_impl), graphdef,
                    nnx.to_pure_dict(state), logical_axes(state), make_model, t.batch_size,
