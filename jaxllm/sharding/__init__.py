@@ -4,6 +4,7 @@
     rules.py      the one table: logical axes -> mesh axes, by ZeRO stage
     constrain.py  `constrain(x, logical_axes)` for model code; no-op without a context
     context.py    context parallelism: ring / all-gather attention, load-balanced order
+    experts.py    expert parallelism: the MoE layer's all-to-all over the ep axis
     plan.py       a training run's layouts: init, jit with shardings, batch placement
     memory.py     per-device memory of the model states vs the ZeRO formula
 """
