@@ -27,6 +27,7 @@ from flax import nnx
 from jaxllm.config import MoEConfig
 from jaxllm.kernels import grouped_matmul
 from jaxllm.model.layers import MLP, param
+from jaxllm.sharding import experts
 
 BIAS_KEY = "expert_bias"  # the bias's name in a parameter tree
 
@@ -115,7 +116,8 @@ class MoE(nnx.Module):
                          preferred_element_type=jnp.float32)  # (T, E)
         bias = None if self.expert_bias is None else self.expert_bias[...]
         ids, weights, probs = route(logits, bias, self.cfg)
-        y = expert_ffn(x2, ids, weights, self.gate[...], self.up[...], self.down[...])
+        y = experts.expert_ffn(x2, ids, weights, self.gate[...], self.up[...], self.down[...],
+                               local=expert_ffn)  # ep > 1: the all-to-all form
         y = y.reshape(b, s, d)
         if self.shared is not None:
             y = y + self.shared(x)

@@ -4,6 +4,7 @@
     rules.py      the one table: logical axes -> mesh axes, by ZeRO stage
     constrain.py  `constrain(x, logical_axes)` for model code; no-op without a context
     context.py    context parallelism: ring / all-gather attention, load-balanced order
+    experts.py    expert parallelism: the MoE layer's all-to-all over the ep axis
     plan.py       a training run's layouts: init, jit with shardings, batch placement
     pipeline.py   pipeline parallelism: the block stack in stages over pp, run by a schedule
     pipeline_schedule.py  the schedules (gpipe, circular, 1f1b) as tables; their bubbles

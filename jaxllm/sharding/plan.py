@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.config import Config, ConfigError
 from jaxllm.sharding.constrain import ShardingContext, traced_in
 from jaxllm.sharding.context import attention_with_lse, balanced_order
+from jaxllm.sharding.experts import check_experts
 from jaxllm.sharding.mesh import describe_mesh, make_mesh
 from jaxllm.sharding.pipeline import check_config as check_pipeline
 from jaxllm.sharding.pipeline import stage_axes
@@ -73,6 +74,8 @@ class ShardingPlan:
         if mesh.shape["cp"] > 1:
             balanced_order(t.seq_len, mesh.shape["cp"])  # raises unless 2 cp divides seq_len
             attention_with_lse(cfg.model.attention_impl)  # raises if it has no log-sum-exp
+        # ep splits an MoE model's experts (a dense model's batch only)
+        check_experts(cfg.model.moe and cfg.model.moe.num_experts, mesh.shape["ep"])
         graphdef, state = nnx.split(nnx.eval_shape(make_model))
         logical = logical_axes(state)
         if p.pp > 1:  # the main stack's layers are split into stages over pp
