@@ -114,6 +114,7 @@ def _slots(ours: str, shape, name: str, n_dense: int) -> list[tuple[tuple, str]]
 
 
 def _lookup(table: dict, ours: str) -> tuple[str, str]:
+    """(HF name, layout) of our parameter path; the dense_blocks share the blocks' names."""
     key = "blocks/" + ours[len("dense_blocks/"):] if ours.startswith("dense_blocks/") else ours
     if key not in table:
         raise ValueError(f"parameter {ours!r} has no Hugging Face counterpart")
@@ -238,7 +239,7 @@ def _moe_section(c: dict, fam: Family, n_layers: int) -> dict:
     moe = dict(num_experts=experts, top_k=c["num_experts_per_tok"], router="softmax",
                balance="aux_loss", aux_loss_weight=float(c.get("router_aux_loss_coef", 0.001)))
     if fam.model_type == "mixtral":
-        _require(c, "router_jitter_noise", (0, 0.0), 0.0)
+        _require(c, "router_jitter_noise", (0.0,), 0.0)
         return dict(moe, expert_mlp_dim=c["intermediate_size"], norm_topk_prob=True)
     step, dense_only = c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
     if not isinstance(step, int) or step < 1:
