@@ -1,6 +1,7 @@
 """Runs the pipeline layouts for tests/test_pipeline.py in a fresh process.
 
     python tests/pipeline_worker.py OUT     # pp = 1 and every pipeline layout
+    python tests/pipeline_worker.py multihost OUT PID PORT  # one of 2 processes, 4 devices each
 
 As tests/sharding_worker.py (whose training loop it reuses): XLA without backend
 optimisation, one training step per layout (the Adam moments after one step are linear
@@ -63,6 +64,29 @@ def run_all(out: Path):
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
+MULTIHOST = LAYOUTS["1f1b_pp2_dp2_tp2"]  # pp, the outermost mesh axis, across the 2 hosts
+
+
+def run_multihost(out: Path, pid: int, port: int):
+    """One of two processes of 4 devices: pp spans them, so each loads every batch row."""
+    import jax
+    import numpy as np
+
+    from jaxllm.sharding import initialize_distributed
+
+    initialize_distributed(f"localhost:{port}", 2, pid)
+    assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
+    record, flat, plan = base.run_layout(MODEL + MULTIHOST)
+    if pid == 0:
+        np.savez(out / "multihost.npz", **flat)
+        hosts = np.vectorize(lambda d: d.process_index)(plan.mesh.devices)  # mesh-shaped
+        (out / "multihost.json").write_text(json.dumps({**record, "hosts": hosts.tolist()}))
+    jax.distributed.shutdown()
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    run_all(Path(sys.argv[1]))
+    if sys.argv[1] == "multihost":
+        run_multihost(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        run_all(Path(sys.argv[1]))

@@ -7,6 +7,7 @@ of tests/test_sharding.py.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -141,3 +142,23 @@ def test_pipeline_trains_like_one_device(trained, name):
     """Loss, gradient norm, parameters and Adam moments after a step equal pp = 1."""
     out, results = trained
     _assert_same_training(results, out, name, out / f"{name}.npz")
+
+
+def test_pipeline_across_two_hosts_trains_like_one_device(trained, tmp_path):
+    """2 processes x 4 devices, pp across them (1f1b, with dp and tp inside each host)."""
+    out, results = trained
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "multihost", str(tmp_path),
+                               str(pid), str(port)], env=_env(4), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for pid in (0, 1)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-4000:]
+    got = json.loads((tmp_path / "multihost.json").read_text())
+    hosts = np.array(got["hosts"])  # mesh-shaped (pp, dp, fsdp, ep, cp, tp)
+    assert (hosts[0] == 0).all() and (hosts[1] == 1).all()
+    _assert_same_training({**results, "multihost": got}, out, "multihost",
+                          tmp_path / "multihost.npz")
