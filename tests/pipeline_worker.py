@@ -39,7 +39,16 @@ LAYOUTS = {
     "1f1b_pp4_fsdp2_zero1": ["parallelism.pp=4", "parallelism.dp=1", "parallelism.fsdp=2",
                              "parallelism.pp_schedule=1f1b", "train.microbatches=4",
                              "train.zero_stage=1"],
+    # pp alone: a mesh of pp devices only
+    "gpipe_pp2_alone": ["parallelism.pp=2", "parallelism.dp=1",
+                        "parallelism.pp_schedule=gpipe", "train.microbatches=2"],
+    "circular_pp2_v2_alone": ["parallelism.pp=2", "parallelism.dp=1",
+                              "parallelism.pp_schedule=circular", "parallelism.pp_repeats=2",
+                              "train.microbatches=4"],
+    "1f1b_pp4_alone": ["parallelism.pp=4", "parallelism.dp=1",
+                       "parallelism.pp_schedule=1f1b", "train.microbatches=4"],
 }
+ALONE = {"gpipe_pp2_alone": 2, "circular_pp2_v2_alone": 2, "1f1b_pp4_alone": 4}  # devices
 
 
 def run_all(out: Path):
@@ -55,7 +64,8 @@ def run_all(out: Path):
     for name, overrides in [("single", ["parallelism.dp=1"])] + list(LAYOUTS.items()):
         t0 = time.time()
         try:
-            devices = jax.devices()[:1] if name == "single" else None
+            devices = (jax.devices()[:1] if name == "single" else
+                       jax.devices()[:ALONE[name]] if name in ALONE else None)
             record, flat, plan = base.run_layout(MODEL + overrides, devices, host_init)
             np.savez(out / f"{name}.npz", **flat)
             results[name] = {**record, "seconds": time.time() - t0}
@@ -67,26 +77,11 @@ def run_all(out: Path):
 MULTIHOST = LAYOUTS["1f1b_pp2_dp2_tp2"]  # pp, the outermost mesh axis, across the 2 hosts
 
 
-def run_multihost(out: Path, pid: int, port: int):
-    """One of two processes of 4 devices: pp spans them, so each loads every batch row."""
-    import jax
-    import numpy as np
-
-    from jaxllm.sharding import initialize_distributed
-
-    initialize_distributed(f"localhost:{port}", 2, pid)
-    assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
-    record, flat, plan = base.run_layout(MODEL + MULTIHOST)
-    if pid == 0:
-        np.savez(out / "multihost.npz", **flat)
-        hosts = np.vectorize(lambda d: d.process_index)(plan.mesh.devices)  # mesh-shaped
-        (out / "multihost.json").write_text(json.dumps({**record, "hosts": hosts.tolist()}))
-    jax.distributed.shutdown()
-
-
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if sys.argv[1] == "multihost":
-        run_multihost(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        # pp spans the hosts, so each loads every batch row
+        base.run_multihost(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                           MODEL + MULTIHOST, rows=slice(None))
     else:
         run_all(Path(sys.argv[1]))

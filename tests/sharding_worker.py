@@ -172,7 +172,9 @@ def memory(plan, cfg=None) -> dict:
     return m
 
 
-def run_multihost(out: Path, pid: int, port: int):
+def run_multihost(out: Path, pid: int, port: int, overrides=MULTIHOST, rows=None):
+    """One of 2 processes of 4 devices training `overrides`; `rows`: the batch rows this
+    process loads (default: its half of each global batch). Process 0 writes the state."""
     import jax
     import numpy as np
 
@@ -180,8 +182,8 @@ def run_multihost(out: Path, pid: int, port: int):
 
     initialize_distributed(f"localhost:{port}", 2, pid)
     assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
-    rows = slice(4 * pid, 4 * pid + 4)  # this host's half of each global batch
-    record, flat, plan = run_layout(MULTIHOST, rows=rows)
+    rows = slice(4 * pid, 4 * pid + 4) if rows is None else rows
+    record, flat, plan = run_layout(overrides, rows=rows)
     if pid == 0:
         np.savez(out / "multihost.npz", **flat)
         hosts = np.vectorize(lambda d: d.process_index)(plan.mesh.devices)  # mesh-shaped
