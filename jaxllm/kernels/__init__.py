@@ -11,6 +11,7 @@ the inputs. Which implementations exist and what each supports is `registry.py`:
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxllm.kernels.registry import available, names, pick
@@ -52,7 +53,8 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     _check_flash_inputs(q, k, v)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     fn = pick("flash", impl, q, k, v).fn
-    return fn(q, k, v, causal=causal, sm_scale=sm_scale, **kwargs)
+    with jax.named_scope("flash_attention"):  # names the kernels in profiles
+        return fn(q, k, v, causal=causal, sm_scale=sm_scale, **kwargs)
 
 
 def _check_pages(op: str, q_layout: str, q, k_pages, v_pages, layer) -> None:

@@ -81,6 +81,7 @@ class RMSNorm(nnx.Module):
         self.scale = param(rngs, (dim,), ("embed",), param_dtype, value=1.0)
         self.eps, self.dtype = eps, dtype
 
+    @jax.named_scope("rms_norm")
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -139,6 +140,7 @@ def softmax_scale_factor(scaling: RopeScaling | None) -> float:
     return yarn_mscale(scaling.factor, scaling.resolved("mscale_all_dim")) ** 2
 
 
+@jax.named_scope("rope")
 def apply_rope(x, positions, theta: float, scaling=None):
     """Rotary embedding, half-split convention. x (B, S, H, D), positions int (B, S)."""
     d = x.shape[-1]

@@ -20,6 +20,8 @@ k (never in the weights), moved after every step by rate x sign(mean load - load
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -63,6 +65,37 @@ def route(logits, bias, cfg: MoEConfig):
     return ids.astype(jnp.int32), weights * cfg.routed_scaling, probs
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch(x, order, inv, k: int):
+    """x [T, d] -> [T k, d]: row r is the token of assignment order[r]. Its gradient is a
+    gather too (row t sums its k rows, found through the inverse permutation `inv`), not
+    the scatter-add XLA would make of the gather's transpose."""
+    return jnp.take(x, order // k, axis=0)
+
+
+def _dispatch_fwd(x, order, inv, k):
+    return _dispatch(x, order, inv, k), (order, inv)
+
+
+def _dispatch_bwd(k, res, g):
+    order, inv = res
+    rows = jnp.take(g, inv, axis=0).astype(jnp.float32)  # [T k, d] in (token, slot) order
+    return rows.reshape(-1, k, g.shape[-1]).sum(1).astype(g.dtype), None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _permute(x, perm, inv):
+    """x[perm] for a permutation `perm` with inverse `inv`; the gradient is g[inv]."""
+    return jnp.take(x, perm, axis=0)
+
+
+_permute.defvjp(lambda x, perm, inv: (_permute(x, perm, inv), (perm, inv)),
+                lambda res, g: (jnp.take(g, res[1], axis=0), None, None))
+
+
 def expert_ffn(x, ids, weights, gate, up, down, *, impl: str = "auto"):
     """Each token through its experts, dropless. x [T, d]; ids int [T, k]; weights [T, k];
     gate, up [E, d, f] and down [E, f, d], the stacked SwiGLU experts -> [T, d] in x's dtype,
@@ -71,12 +104,13 @@ def expert_ffn(x, ids, weights, gate, up, down, *, impl: str = "auto"):
     flat = ids.reshape(-1)  # [T k]
     order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)  # rows per expert
-    xs = jnp.take(x, order // k, axis=0)  # [T k, d], each assignment's token
+    inv = jnp.argsort(order)  # the row of each assignment
+    xs = _dispatch(x, order, inv, k)  # [T k, d], each assignment's token
     dt = x.dtype
     h = (jax.nn.silu(grouped_matmul(xs, gate.astype(dt), sizes, impl=impl))
          * grouped_matmul(xs, up.astype(dt), sizes, impl=impl))  # [T k, f]
     ys = grouped_matmul(h, down.astype(dt), sizes, impl=impl)  # [T k, d]
-    ys = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)  # back to (token, slot)
+    ys = _permute(ys, inv, order).reshape(t, k, -1)  # back to (token, slot)
     return jnp.einsum("tkd,tk->td", ys.astype(jnp.float32), weights).astype(dt)
 
 

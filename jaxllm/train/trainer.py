@@ -55,6 +55,7 @@ def device_peak_flops() -> float | None:
     return None
 
 
+@jax.named_scope("cross_entropy")
 def cross_entropy(logits, targets):
     """Mean token cross-entropy in float32 (nats). logits (B, S, V), targets (B, S)."""
     logits = logits.astype(jnp.float32)
@@ -136,8 +137,9 @@ def make_train_fns(cfg: Config, graphdef, plan: ShardingPlan) -> TrainFns:
     def step(params, opt_state, batch):
         (_, aux), grads = value_and_grad(params, batch)
         grads = plan.constrain_grads(grads)  # ZeRO-2/3: reduce-scatter, not all-reduce
-        updates, opt_state = tx.update(grads, opt_state, params)
-        new = optax.apply_updates(params, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            new = optax.apply_updates(params, updates)
         load = aux.pop("expert_load", None)
         if bias_rate:  # auxiliary-loss-free balancing, outside the optimizer
             new = update_expert_bias(new, params, load, bias_rate)
