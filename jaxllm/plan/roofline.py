@@ -9,7 +9,8 @@ workload is compute-bound, below it memory-bound. HBM bytes counted:
                 params, grads, m, v; write params, m, v) and the saved activations written
                 once and read once
     prefill     the weights once and the new K/V written
-    decode      the weights once and every live K/V byte read, per step
+    decode      the weights once (of the routed experts, those the batch's tokens choose)
+                and every live K/V byte read, per step
 
 Communication overlaps computation at best (`step_s` takes the larger) and not at all at
 worst (`step_exposed_s` adds them); pipeline stages idle for the schedule's bubble,
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from jaxllm.config import Config
 from jaxllm.plan.flops import decode_flops, prefill_flops, train_flops
 from jaxllm.plan.hardware import Hardware
-from jaxllm.plan.memory import TrainMemory, inference_memory, weight_bytes
+from jaxllm.plan.memory import DTYPE_BYTES, TrainMemory, inference_memory, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,22 @@ def prefill_point(cfg: Config, batch: int, prompt: int, tp: int) -> Point:
                  mem.weights + batch * prompt * mem.kv_per_token)
 
 
+def untouched_expert_bytes(m, batch: int) -> float:
+    """Routed-expert weights a decode step of `batch` tokens does not read: with E experts
+    of which each token takes k, a step reads E (1 - (1 - k/E)^batch) of them per MoE
+    layer on average (routing taken as uniform, as balancing makes it)."""
+    moe = m.moe
+    if moe is None:
+        return 0.0
+    e, k = moe.num_experts, moe.top_k
+    touched = e * (1 - (1 - k / e) ** batch)
+    per_expert = 3 * m.d_model * moe.expert_mlp_dim * DTYPE_BYTES[m.dtype]
+    return (m.n_layers - moe.dense_layers) * (e - touched) * per_expert
+
+
 def decode_point(cfg: Config, batch: int, context: int, tp: int) -> Point:
     m = cfg.model
     mem = inference_memory(cfg, float("inf"), tp, context)
+    weights = mem.weights - untouched_expert_bytes(m, batch) / tp
     return Point(f"decode B={batch}", decode_flops(m, batch, context) / tp,
-                 mem.weights + batch * context * mem.kv_per_token)
+                 weights + batch * context * mem.kv_per_token)
