@@ -26,7 +26,8 @@ import time
 # tiny models, laid out every way; each entry is a list of config overrides, after a
 # config file when it is not configs/tiny.yaml
 BASE = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=16"]
-MOE, MLA = "configs/tiny_moe.yaml", "configs/tiny_mla.yaml"  # 1 dense + 1 MoE layer; MLA
+MOE, MLA = "configs/tiny_moe.yaml", "configs/tiny_mla.yaml"  # MoE: 1 dense + 2 MoE layers
+MOE3 = "model.n_layers=3"
 PP = ["parallelism.pp=2", "train.microbatches=4"]
 CONFIGS = {
     "dp8": ["parallelism.dp=8"],
@@ -51,11 +52,11 @@ CONFIGS = {
     "dp8_s128": ["parallelism.dp=8", "train.seq_len=128"],
     "dp8_z2_full": ["parallelism.dp=8", "train.zero_stage=2", "model.remat=full"],
     # mixture of experts: experts replicated, over ep (all-to-all), with fsdp, tp and dp
-    "moe_dp8": [MOE, "parallelism.dp=8"],
-    "moe_ep8": [MOE, "parallelism.dp=1", "parallelism.ep=8"],
-    "moe_ep4_fsdp2": [MOE, "parallelism.dp=1", "parallelism.ep=4", "parallelism.fsdp=2"],
-    "moe_dp2_ep2_tp2": [MOE, "parallelism.dp=2", "parallelism.ep=2", "parallelism.tp=2"],
-    "moe_ep8_full": [MOE, "parallelism.dp=1", "parallelism.ep=8", "model.remat=full"],
+    "moe_dp8": [MOE, MOE3, "parallelism.dp=8"],
+    "moe_ep8": [MOE, MOE3, "parallelism.dp=1", "parallelism.ep=8"],
+    "moe_ep4_fsdp2": [MOE, MOE3, "parallelism.dp=1", "parallelism.ep=4", "parallelism.fsdp=2"],
+    "moe_dp2_ep2_tp2": [MOE, MOE3, "parallelism.dp=2", "parallelism.ep=2", "parallelism.tp=2"],
+    "moe_ep8_full": [MOE, MOE3, "parallelism.dp=1", "parallelism.ep=8", "model.remat=full"],
     # multi-head latent attention
     "mla_dp8": [MLA, "parallelism.dp=8"],
     "mla_fsdp8": [MLA, "parallelism.dp=1", "parallelism.fsdp=8"],
