@@ -23,8 +23,12 @@ import os
 import sys
 import time
 
-# one tiny model, laid out every way; each entry is a list of config overrides
+# tiny models, laid out every way; each entry is a list of config overrides, after a
+# config file when it is not configs/tiny.yaml
 BASE = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=16"]
+MOE, MLA = "configs/tiny_moe.yaml", "configs/tiny_mla.yaml"  # MoE: 1 dense + 2 MoE layers
+MOE3 = "model.n_layers=3"
+PP = ["parallelism.pp=2", "train.microbatches=4"]
 CONFIGS = {
     "dp8": ["parallelism.dp=8"],
     "dp8_z1": ["parallelism.dp=8", "train.zero_stage=1"],
@@ -47,6 +51,26 @@ CONFIGS = {
     "dp8_b64": ["parallelism.dp=8", "train.batch_size=64"],
     "dp8_s128": ["parallelism.dp=8", "train.seq_len=128"],
     "dp8_z2_full": ["parallelism.dp=8", "train.zero_stage=2", "model.remat=full"],
+    # mixture of experts: experts replicated, over ep (all-to-all), with fsdp, tp and dp
+    "moe_dp8": [MOE, MOE3, "parallelism.dp=8"],
+    "moe_ep8": [MOE, MOE3, "parallelism.dp=1", "parallelism.ep=8"],
+    "moe_ep4_fsdp2": [MOE, MOE3, "parallelism.dp=1", "parallelism.ep=4", "parallelism.fsdp=2"],
+    "moe_dp2_ep2_tp2": [MOE, MOE3, "parallelism.dp=2", "parallelism.ep=2", "parallelism.tp=2"],
+    "moe_ep8_full": [MOE, MOE3, "parallelism.dp=1", "parallelism.ep=8", "model.remat=full"],
+    # multi-head latent attention
+    "mla_dp8": [MLA, "parallelism.dp=8"],
+    "mla_fsdp8": [MLA, "parallelism.dp=1", "parallelism.fsdp=8"],
+    "mla_dp4_tp2": [MLA, "parallelism.dp=4", "parallelism.tp=2"],
+    "mla_dp8_full": [MLA, "parallelism.dp=8", "model.remat=full"],
+    # pipelines of 2 stages over 4 microbatches; circular: 2 stages per device
+    "pp2_1f1b": PP + ["parallelism.dp=4", "parallelism.pp_schedule=1f1b"],
+    "pp2_gpipe": PP + ["parallelism.dp=4", "parallelism.pp_schedule=gpipe"],
+    "pp2_dp4_z1": PP + ["parallelism.dp=4", "train.zero_stage=1"],
+    "pp2_fsdp4": PP + ["parallelism.dp=1", "parallelism.fsdp=4"],
+    "pp2_dp2_tp2": PP + ["parallelism.dp=2", "parallelism.tp=2"],
+    "pp2_1f1b_full": PP + ["parallelism.dp=4", "model.remat=full"],
+    "pp2_circular": PP + ["parallelism.dp=4", "parallelism.pp_schedule=circular",
+                          "parallelism.pp_repeats=2", "model.n_layers=4"],
     # outside 5% (docs/experiments.md): kv heads repeated over tp=4, cp=4, dots at T=512
     "dp2_tp4": ["parallelism.dp=2", "parallelism.tp=4"],
     "dp2_cp4": ["parallelism.dp=2", "parallelism.cp=4"],
@@ -56,11 +80,19 @@ CONFIGS = {
 KNOWN_MISSES = ("dp2_tp4", "dp2_cp4", "fsdp8_b32_dots")
 
 
+def load(name: str):
+    """The config of a CONFIGS entry."""
+    from jaxllm.config import load_config
+
+    overrides = CONFIGS[name]
+    path = overrides[0] if overrides[0].endswith(".yaml") else "configs/tiny.yaml"
+    return load_config(path, BASE + [o for o in overrides if not o.endswith(".yaml")])
+
+
 def cpu_sweep(names: list[str]) -> list[dict]:
     import jax
 
     from benchmarks.common import print_table
-    from jaxllm.config import load_config
     from jaxllm.plan.memory import compiled_peak, train_memory
     from jaxllm.sharding.memory import step_memory
     from jaxllm.sharding.mesh import mesh_shape
@@ -68,7 +100,7 @@ def cpu_sweep(names: list[str]) -> list[dict]:
 
     rows = []
     for name in names:
-        cfg = load_config("configs/tiny.yaml", BASE + CONFIGS[name])
+        cfg = load(name)
         t = time.perf_counter()
         plan = sharding_plan(cfg)
         fns = make_train_fns(cfg, plan.graphdef, plan)

@@ -1,6 +1,7 @@
 """Expert parallelism (sharding/experts.py): the all-to-all form of the MoE layer against the
 one-device expert_ffn (both exchanges, skewed load), the tiny MoE model's loss and gradients
-under ep alone, ep x fsdp x tp and ep x dp against one device, and its config errors."""
+under ep alone, ep x fsdp x tp, ep x dp and dp x tp (no ep: every device its own tokens)
+against one device, and its config errors."""
 import os
 import subprocess
 import sys

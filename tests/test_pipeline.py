@@ -17,7 +17,7 @@ import pytest
 import pipeline_worker as worker
 from jaxllm.config import ConfigError, load_config
 from jaxllm.sharding.pipeline import Pipeline
-from jaxllm.sharding.pipeline_schedule import BWD, FWD, IDLE, build, expected_bubble
+from jaxllm.sharding.pipeline_schedule import BWD, FWD, IDLE, build, expected_bubble, slots
 from test_sharding import ROOT, _assert_same_training, _env
 
 WORKER = ROOT / "tests" / "pipeline_worker.py"
@@ -61,7 +61,7 @@ def test_1f1b_keeps_at_most_p_minus_d_microbatches_in_flight(p, m):
     # the executed schedule's buffers: p slots of stage inputs, one of incoming cotangents
     cfg = load_config(None, [f"parallelism.pp={p}", f"train.microbatches={m}",
                              f"train.batch_size={m}"])
-    assert Pipeline(cfg, None, None, None)._slots() == (p, 1)
+    assert slots(Pipeline(cfg, None, None, None).schedule) == (p, 1)
 
 
 def test_dry_run_schedule_lines():

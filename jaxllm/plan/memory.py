@@ -34,6 +34,7 @@ from functools import lru_cache
 import numpy as np
 
 from jaxllm.config import Config, ModelConfig
+from jaxllm.plan.flops import moe_layers
 from jaxllm.sharding.rules import Rules
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -78,6 +79,8 @@ class StateBytes:
     grads_live: float  # what the backward pass holds: see `state_bytes`
     grads_unstacked: float  # of the embedding, head and final norm, in the compute layout
     opt_state: float
+    stack_compute: float = 0.0  # the layer stack's parameters in the compute layout
+    stack_params: float = 0.0  # the layer stack's parameters in their own layout
 
 
 def state_bytes(cfg: Config, rules: Rules) -> StateBytes:
@@ -87,7 +90,7 @@ def state_bytes(cfg: Config, rules: Rules) -> StateBytes:
     layer by layer, each summed straight into its ZeRO layout; the embedding, the head and
     the final norm are made whole (their compute layout) and reduce-scattered after.
     """
-    params = grads = live = opt = unstacked = 0.0
+    params = grads = live = opt = unstacked = stack = stack_params = 0.0
     layers = pipeline_layer_fraction(cfg, rules.size("pp"))
     for shape, dtype, names in abstract_params(cfg.model):
         itemsize = np.dtype(dtype).itemsize * (layers if "layers" in names else 1.0)
@@ -96,8 +99,10 @@ def state_bytes(cfg: Config, rules: Rules) -> StateBytes:
         grads += shard("grads")
         live += shard("grads") if "layers" in names else shard("compute")
         unstacked += 0.0 if "layers" in names else shard("compute")
+        stack += shard("compute") if "layers" in names else 0.0
+        stack_params += shard("params") if "layers" in names else 0.0
         opt += 2 * shard("opt_state")
-    return StateBytes(params, grads, live, unstacked, opt)
+    return StateBytes(params, grads, live, unstacked, opt, stack, stack_params)
 
 
 # -- activations -----------------------------------------------------------------------------
@@ -137,27 +142,81 @@ def attention_saved_per_token(m: ModelConfig, hq: float, hkv: float, kv_len: int
     return 4 * hq
 
 
+def attention_projections(m: ModelConfig, hq: float, hkv: float, remat: str) -> float:
+    """Elements per token and layer of the attention's projections that the backward
+    reads ("none": every intermediate; "dots": the matmul outputs), its heads split."""
+    mla = getattr(m, "mla", None)
+    if mla is None:
+        hd = m.resolved_head_dim
+        qkv = (hq + 2 * hkv) * hd
+        # "none": k and v broadcast to the query heads and the attention output beside
+        # q, k, v; "dots": the attention output and the output projection's input and output
+        return qkv + (2 if remat == "none" else 3) * hq * hd
+    # MLA: the query and key-value latents (whole over tp), per head q and k of
+    # nope + rope dims, v and the attention output of v_head_dim
+    dqk, dv = mla.qk_head_dim, mla.v_head_dim
+    q_lora, kv_lora = mla.q_lora_rank or 0, mla.kv_lora_rank
+    if remat == "none":  # each latent, normed and scaled (its RMSNorm); q, k, v, output
+        return 3 * q_lora + 3 * kv_lora + 2 * hq * dqk + 2 * hq * dv
+    # "dots": q_a, q_b, kv_a (latent and rotary key), kv_b, the attention output, o's input
+    return (q_lora + hq * dqk + kv_lora + mla.qk_rope_head_dim
+            + hq * (mla.qk_nope_head_dim + dv) + 2 * hq * dv)
+
+
 def saved_per_token(m: ModelConfig, sizes: dict[str, int], kv_len: int, impl: str,
-                    remat: str, sequence_parallel: bool = False) -> float:
-    """Bytes per token and layer the backward pass reads under a remat policy."""
+                    remat: str, sequence_parallel: bool = False, moe: bool = False) -> float:
+    """Bytes per token and layer the backward pass reads under a remat policy (`moe`: of
+    an MoE layer, whose dense SwiGLU is its shared experts; the routed experts' rows are
+    `expert_bytes`')."""
     c = DTYPE_BYTES[m.dtype]
     tp = sizes["tp"]
     d = m.d_model / (tp if sequence_parallel else 1)  # the residual stream
     hq, hkv = _heads_split(m.n_heads, m.n_kv_heads, tp)
-    hd = m.resolved_head_dim
-    f = mlp_width(m) / tp
+    f = (m.moe.num_shared_experts * m.moe.expert_mlp_dim if moe else m.mlp_dim) / tp
     if remat == "full":
         return c * d  # the block's input
-    qkv = (hq + 2 * hkv) * hd
-    if remat == "dots":  # matmul outputs: q, k, v, attention, o, gate, up, down
-        return c * (qkv + 3 * hq * hd + d + 2 * f)
+    attn = attention_projections(m, hq, hkv, remat)
+    if remat == "dots":  # matmul outputs: attention's (above), gate, up, down
+        return c * (attn + d + 2 * f)
     # every intermediate: norm inputs, outputs and statistics (the matmuls' inputs are
-    # whole over tp even with sequence parallelism), q/k/v, k and v broadcast to the
-    # query heads, the attention output, the SwiGLU's gate, up and their products
+    # whole over tp even with sequence parallelism), the attention's (above), the
+    # SwiGLU's gate, up and their products
     whole = 2 * m.d_model if sequence_parallel else 4 * m.d_model
     split = 6 * m.d_model / tp - whole / tp if sequence_parallel else 2 * d
-    return (c * (whole + split + qkv + 2 * hq * hd + 6 * f) + 4 * 4
+    stats = 4 * 4 * (2 if getattr(m, "mla", None) is not None and m.mla.q_lora_rank else
+                     1.5 if getattr(m, "mla", None) is not None else 1)  # latents' norms too
+    router = 4 * (2 * m.moe.num_experts + m.moe.top_k * m.d_model) if moe else 0.0
+    return (c * (whole + split + attn + 6 * f) + stats + router
             + attention_saved_per_token(m, hq, hkv, kv_len, impl))
+
+
+def expert_bytes(m: ModelConfig, sizes: dict[str, int], tokens: float,
+                 platform: str) -> tuple[float, float]:
+    """(saved, backward) bytes of one MoE layer's routed experts on one device.
+
+    Dropless (`sharding/experts.py`): the local experts take R = ep x tokens x top_k rows
+    (with ep > 1 the receive buffer holds every assignment the group could send). Saved
+    for the backward: the rows sorted by expert and six [R, f] products (gate, up, the
+    sigmoid, the SwiGLU, its product and the product masked to its expert), with ep > 1
+    the dispatch's mask, and with several local experts their weights as the layer
+    sliced them. While the backward runs the layer: the zeroed buffers of the gathers'
+    transposes (one of R rows, one of the assignments) and the grouped matmuls'
+    cotangents. On the CPU the grouped matmul is XLA's ragged dot, which expands its
+    ragged operand per local expert into [G, R, K]: three such copies and a relayout of
+    [R, d] at once (a kernel elsewhere reads the rows in place: G counts as 1)."""
+    c, moe, d = DTYPE_BYTES[m.dtype], m.moe, m.d_model
+    p = DTYPE_BYTES[m.param_dtype]
+    ep, tp = sizes["ep"], sizes["tp"]
+    f = moe.expert_mlp_dim / tp if moe.expert_mlp_dim % tp == 0 else moe.expert_mlp_dim
+    assigned = tokens * moe.top_k
+    rows = ep * assigned
+    local = moe.num_experts / ep
+    g = local if platform == "cpu" else 1
+    saved = c * rows * (d + 6 * f) + (rows * d if ep > 1 else 0.0)
+    if local > 1:
+        saved += 3 * local * d * f * p
+    backward = c * d * (rows + assigned) + c * g * rows * (4 * d + f)
+    return saved, backward
 
 
 # One layer's working set while the backward pass differentiates it, in units of its full
@@ -228,32 +287,77 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
     tokens = rows * seq
     impl = resolved_attention_impl(m, platform)
     kv_len = t.seq_len  # ring / all-gather attention sees every key block
-    per_layer = saved_per_token(m, sizes, kv_len, impl, remat, p.sequence_parallel)
+    sp = p.sequence_parallel
     layers = math.ceil(m.n_layers / sizes["pp"])
-    acts = layers * tokens * per_layer * pipeline_in_flight(cfg, sizes["pp"], micro)
+    n_moe = moe_layers(m)
+    saved = lambda moe, policy=remat: tokens * saved_per_token(m, sizes, kv_len, impl,
+                                                              policy, sp, moe)
+    acts = (layers - n_moe) * saved(False) + (n_moe and n_moe * saved(True))
     # the layer being differentiated: its cotangents, and under remat its recomputed
     # intermediates, in units of one layer's full set
-    acts += BACKWARD_WORKING_SET[remat] * tokens * saved_per_token(
-        m, sizes, kv_len, impl, "none", p.sequence_parallel)
+    working = BACKWARD_WORKING_SET[remat] * saved(False, "none")
+    grads = states.grads_live + 3 * states.grads_unstacked
+    moe_peak = 0.0
+    if sizes["pp"] > 1:
+        acts, grads = pipeline_activations(cfg, sizes["pp"], micro, remat, saved(False),
+                                           saved(False, "none"), tokens, states)
+    else:
+        acts += working
+    if n_moe:  # an MoE layer's experts: their rows saved, and the backward's buffers
+        e_saved, e_backward = expert_bytes(m, sizes, tokens, platform)
+        if remat != "full":
+            acts += n_moe * e_saved
+        moe_peak = ((layers - n_moe) * saved(False) + n_moe * saved(True)
+                    + (n_moe if remat != "full" else 1) * e_saved + e_backward)
     if sizes["cp"] > 1:  # the ring's key/value blocks and partial outputs of every step
         acts += layers * tokens * ring_saved_per_token(m, sizes)
     vocab = m.vocab_size / (sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else 1)
     logits = 3 * 4 * tokens * vocab
     batch_bytes = 2 * 4 * rows * seq * micro
-    # the embedding's and head's gradients are made whole four times over: the head's
-    # matmul, the embedding's scatter-add, their sum when tied or their transposes
-    grads = states.grads_live + 3 * states.grads_unstacked
+    if moe_peak + states.grads_live > acts + logits + grads:
+        acts, logits, grads = moe_peak, 0.0, states.grads_live
     return TrainMemory(states.params, states.opt_state, grads, acts, logits,
                        batch_bytes)
 
 
-def pipeline_in_flight(cfg: Config, pp: int, micro: int) -> int:
-    """Microbatches whose activations a pipeline stage holds at once: 1 without pp; with
-    it, pp for 1F1B and every microbatch for GPipe (`parallelism.pp_schedule`)."""
-    if pp == 1:
-        return 1
-    schedule = getattr(cfg.parallelism, "pp_schedule", "1f1b")
-    return micro if schedule == "gpipe" else min(pp, micro)
+def pipeline_activations(cfg: Config, pp: int, micro: int, remat: str, saved: float,
+                         saved_none: float, tokens: float, states: StateBytes
+                         ) -> tuple[float, float]:
+    """(activations, gradients) of a pipeline stage (`sharding/pipeline.py`) beyond the
+    layer being differentiated; `saved` / `saved_none`: one layer's saved bytes for one
+    microbatch under the remat policy / without remat.
+
+    gpipe, circular: autodiff of the scan over the v m + p - 1 forward ticks (bubble
+    ticks included) keeps every tick's residuals: the stage's saved activations (its
+    input alone under remat, which recomputes the stage in the backward) and the head's
+    input; with v > 1 stages per device also the stage's weights as the tick sliced them.
+    1f1b: each backward tick recomputes its stage from the saved input (`jax.vjp`), so a
+    device keeps the input and cotangent slots of the schedule and one stage's
+    activations; its gradients are the accumulators carried through the ticks."""
+    from jaxllm.sharding.pipeline import schedule_of
+    from jaxllm.sharding.pipeline_schedule import slots
+
+    m, p = cfg.model, cfg.parallelism
+    v = p.pp_repeats
+    stage_layers = m.n_layers / (pp * v)
+    stage_in = DTYPE_BYTES[m.dtype] * m.d_model * tokens  # [rows, seq, d] of one microbatch
+    stage = stage_layers * saved
+    if p.pp_schedule == "1f1b":
+        # a backward tick runs its stage's forward and backward at once: remat saves it
+        # nothing but the recomputed layer's set beside the layer inputs
+        k_act, k_cot = slots(schedule_of(cfg))
+        stage = stage_layers * saved + (saved_none if remat != "none" else 0.0)
+        gathered = (states.stack_compute - states.stack_params) / stage_layers
+        working = BACKWARD_WORKING_SET["none"] * saved_none
+        return ((k_act + k_cot) * stage_in + stage + working,
+                states.grads + gathered)
+    ticks = v * micro + pp - 1
+    per_tick = (stage if remat == "none" else stage_in) + stage_in
+    if v > 1:
+        per_tick += states.stack_compute / v
+    acts = (ticks * per_tick + (stage if remat != "none" else 0.0)
+            + BACKWARD_WORKING_SET[remat] * saved_none)
+    return acts, states.grads_live + 3 * states.grads_unstacked
 
 
 # -- inference ---------------------------------------------------------------------------------

@@ -26,6 +26,10 @@ the combined outputs are summed over tp. Parameters sharded by FSDP / ZeRO are g
 on the way into `shard_map`. Gradients come from differentiating through it: the
 transposes of the all-to-alls are the reverse exchanges.
 
+With ep = 1 every device holds every expert and runs `model.moe.expert_ffn` on its own
+tokens, inside the same kind of `shard_map` (GSPMD cannot split the sort of a sharded
+token axis: left to it, each device would gather and compute every device's tokens).
+
 For a dense model `ep` is another data-parallel axis (batch rows are split over it).
 """
 from __future__ import annotations
@@ -59,12 +63,14 @@ def expert_ffn(x, ids, weights, gate, up, down, *, local, impl: str = "auto",
     """Each token through its experts: x [T, d], ids int [T, k], weights [T, k], gate / up
     [E, d, f], down [E, f, d] -> [T, d] in x's dtype.
 
-    `local` (model.moe.expert_ffn, every expert on one device) runs outside a sharding
-    context or when its mesh has ep == 1; otherwise the all-to-all form over ep.
+    `local` (model.moe.expert_ffn, every expert on one device) runs alone outside a
+    sharding context; on a mesh with ep == 1 it runs on each device's tokens (inside
+    `shard_map`: sorting the assignments is no op GSPMD can split, so it would gather
+    every device's tokens and run them all on each); with ep > 1 the all-to-all form.
     `exchange`: "ragged" or "padded" (default: padded on the CPU, ragged elsewhere).
     """
     ctx = current()
-    if ctx is None or ctx.mesh.shape["ep"] == 1:
+    if ctx is None:
         return local(x, ids, weights, gate, up, down, impl=impl)
     mesh = ctx.mesh
     ep, tp = mesh.shape["ep"], mesh.shape["tp"]
@@ -80,13 +86,26 @@ def expert_ffn(x, ids, weights, gate, up, down, *, local, impl: str = "auto",
         raise ValueError(f"{x.shape[0]} tokens are not divisible by the {n_shards} token "
                          f"shards of {tokens}; make batch x seq a multiple of it")
     width = "tp" if tp > 1 and f % tp == 0 else None  # else every tp rank runs all of f
-    rows = P(tokens, None)
-    body = functools.partial(_local_experts, ep=ep, impl=impl, ragged=exchange == "ragged",
-                             width_axis=width)
+    if not tokens and width is None:  # one device's work: nothing to split
+        return local(x, ids, weights, gate, up, down, impl=impl)
+    rows, owner = P(tokens, None), "ep" if ep > 1 else None  # owner: the experts' axis
+    if ep == 1:
+        body = functools.partial(_replicated_experts, local=local, impl=impl, width_axis=width)
+    else:
+        body = functools.partial(_local_experts, ep=ep, impl=impl,
+                                 ragged=exchange == "ragged", width_axis=width)
     return jax.shard_map(body, mesh=mesh,
-                         in_specs=(rows, rows, rows, P("ep", None, width),
-                                   P("ep", None, width), P("ep", width, None)),
+                         in_specs=(rows, rows, rows, P(owner, None, width),
+                                   P(owner, None, width), P(owner, width, None)),
                          out_specs=rows)(x, ids, weights, gate, up, down)
+
+
+def _replicated_experts(x, ids, weights, gate, up, down, *, local, impl, width_axis):
+    """ep == 1, one device: its tokens through every expert (its part of their width)."""
+    y = local(x, ids, weights, gate, up, down, impl=impl)
+    if width_axis is not None:  # each tp rank has its part of the width: sum them
+        y = lax.psum(y.astype(jnp.float32), width_axis).astype(x.dtype)
+    return y
 
 
 def _inverse(perm):

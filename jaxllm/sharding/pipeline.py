@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import Config, ConfigError
-from jaxllm.sharding.pipeline_schedule import BWD, FWD, IDLE, Schedule, build
+from jaxllm.sharding.pipeline_schedule import BWD, FWD, Schedule, build, slots
 
 STACK = "blocks"  # the pipelined stack of the decoder's parameters
 
@@ -178,21 +178,30 @@ class Pipeline:
         p, v, m = self.p, self.v, self.m
         last = p * v - 1
 
+        # What autodiff keeps of a tick is stacked over all ticks. So the head's loss runs
+        # under one checkpoint around its lax.cond (whose residuals, the head's weights
+        # among them, would be kept per tick), and with one stage per device the stage's
+        # weights are taken once, outside the ticks; with v stages per device each tick
+        # slices its stage, and that slice is kept per tick (docs/experiments.md).
+        @jax.checkpoint
+        def head_loss(chunk, rest, y, tgt, is_last):
+            return jax.lax.cond(is_last, lambda y: self._head_loss(chunk, rest, y, tgt),
+                                lambda y: jnp.zeros((), jnp.float32), y)
+
         def body(blocks, rest, inputs, targets):
             d = jax.lax.axis_index("pp")
             stages = jax.tree.map(lambda x: x.reshape(v, -1, *x.shape[1:]), blocks)
-            act = self._activation(jax.tree.map(lambda x: x[0], stages), rest, inputs[0])
+            first = jax.tree.map(lambda x: x[0], stages)
+            act = self._activation(first, rest, inputs[0])
 
             def tick(carry, row):
                 state, total = carry
                 mb, s = row[d, 0], row[d, 1]
                 i = jnp.maximum(mb, 0)
-                chunk = jax.tree.map(lambda x: x[jnp.maximum(s, 0) // p], stages)
+                chunk = first if v == 1 else jax.tree.map(lambda x: x[jnp.maximum(s, 0) // p],
+                                                          stages)
                 y = self._forward(chunk, rest, state, inputs[i], s == 0)
-                loss = jax.lax.cond(
-                    s == last,
-                    jax.checkpoint(lambda y: self._head_loss(chunk, rest, y, targets[i])),
-                    lambda y: jnp.zeros((), jnp.float32), y)
+                loss = head_loss(first, rest, y, targets[i], s == last)  # reads no block
                 state = jax.lax.ppermute(y, "pp", [(j, (j + 1) % p) for j in range(p)])
                 return (state, total + loss), None
 
@@ -206,25 +215,12 @@ class Pipeline:
 
     # -- 1f1b: every tick by hand -------------------------------------------------------
 
-    def _slots(self) -> tuple[int, int]:
-        """Buffer slots (microbatch i in slot i % K) for stage inputs and for incoming
-        cotangents: the fewest K for which no live microbatch is overwritten."""
-        ops, p = self.schedule.ops, self.p
-        f = {(int(mb), d): t for t, row in enumerate(ops) for d, (op, mb, _) in enumerate(row)
-             if op == FWD}
-        b = {(int(mb), d): t for t, row in enumerate(ops) for d, (op, mb, _) in enumerate(row)
-             if op == BWD}
-        # (written at the end of tick, last read at tick) per microbatch and device
-        acts = [(i, d, f[i, d - 1], b[i, d]) for i in range(self.m) for d in range(1, p)]
-        cots = [(i, d, b[i, d + 1], b[i, d]) for i in range(self.m) for d in range(p - 1)]
-        return _fewest_slots(acts), _fewest_slots(cots)
-
     def _value_and_grad_1f1b(self, params, batch):
         rest = {k: v for k, v in params.items() if k != STACK}
         inputs, targets = self._microbatches(batch)
         ops = jnp.asarray(self.schedule.ops)  # [T, p, 3]
         p, m = self.p, self.m
-        k_act, k_cot = self._slots()
+        k_act, k_cot = slots(self.schedule)
 
         def body(blocks, rest, inputs, targets):
             d = jax.lax.axis_index("pp")
@@ -289,19 +285,3 @@ class Pipeline:
         if self.kind == "1f1b":
             return self._value_and_grad_1f1b(params, batch)
         return jax.value_and_grad(self.loss, has_aux=True)(params, batch)
-
-
-def _fewest_slots(intervals) -> int:
-    """The fewest K such that two microbatches in slot i % K of one device are never live
-    together; (i, device, w, r): written at the end of tick w, last read at tick r."""
-    by_dev: dict = {}
-    for i, d, w, r in intervals:
-        by_dev.setdefault(d, []).append((i, w, r))
-    k = 1
-    while True:
-        ok = all(not (w1 < r2 and w2 < r1)
-                 for rows in by_dev.values() for a, (i1, w1, r1) in enumerate(rows)
-                 for i2, w2, r2 in rows[a + 1:] if (i1 - i2) % k == 0)
-        if ok:
-            return k
-        k += 1

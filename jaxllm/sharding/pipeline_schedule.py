@@ -132,3 +132,33 @@ def _one_f_one_b(p: int, m: int) -> np.ndarray:
         rows.append(row)
         t += 1
     return np.asarray(rows, np.int32)
+
+
+def slots(schedule: Schedule) -> tuple[int, int]:
+    """1F1B's buffer slots (microbatch i in slot i % K) for stage inputs and for incoming
+    cotangents: the fewest K for which no live microbatch is overwritten."""
+    ops, p, m = schedule.ops, schedule.p, schedule.m
+    f = {(int(mb), d): t for t, row in enumerate(ops) for d, (op, mb, _) in enumerate(row)
+         if op == FWD}
+    b = {(int(mb), d): t for t, row in enumerate(ops) for d, (op, mb, _) in enumerate(row)
+         if op == BWD}
+    # (written at the end of tick, last read at tick) per microbatch and device
+    acts = [(i, d, f[i, d - 1], b[i, d]) for i in range(m) for d in range(1, p)]
+    cots = [(i, d, b[i, d + 1], b[i, d]) for i in range(m) for d in range(p - 1)]
+    return _fewest_slots(acts), _fewest_slots(cots)
+
+
+def _fewest_slots(intervals) -> int:
+    """The fewest K such that two microbatches in slot i % K of one device are never live
+    together; (i, device, w, r): written at the end of tick w, last read at tick r."""
+    by_dev: dict = {}
+    for i, d, w, r in intervals:
+        by_dev.setdefault(d, []).append((i, w, r))
+    k = 1
+    while True:
+        ok = all(not (w1 < r2 and w2 < r1)
+                 for rows in by_dev.values() for a, (i1, w1, r1) in enumerate(rows)
+                 for i2, w2, r2 in rows[a + 1:] if (i1 - i2) % k == 0)
+        if ok:
+            return k
+        k += 1
