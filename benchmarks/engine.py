@@ -41,7 +41,7 @@ from jaxllm import build_model, load_config
 from jaxllm.inference.engine import Engine
 from jaxllm.inference.generate import generate_ids
 from jaxllm.inference.requests import SamplingParams
-from jaxllm.inference.scheduler import Request, Scheduled, Scheduler
+from jaxllm.inference.scheduler import Request, ScheduledStep, Scheduler
 
 FULL = dict(config="configs/llama_1b.yaml", requests=512, batch=64, max_seqs=256,
             context="512:2048", prompt_len="32:2048", output_len="16:512", prefix_len=2048, prefix_requests=16)
@@ -81,14 +81,18 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
     rng = np.random.default_rng(0)
     lengths = rng.integers(context[0], context[1] + 1, batch)
     a = engine.scheduler.allocator
-    scheduled = []
+    requests, slots = [], []
     window = engine.runner.window_steps
     for i, n in enumerate(lengths):  # sequences holding n tokens; the last one is new
         req = Request(f"d{i}", [0] * int(n), SamplingParams(temperature=0), i)
         req.seq = a.allocate()
-        (slots,), _ = a.append([req.seq], [int(n) + window - 1])  # pages for a window too
-        scheduled.append(Scheduled(req, int(n) - 1, 1, int(slots[int(n) - 1]), True))
-    b = engine._batch(scheduled)
+        (s,), _ = a.append([req.seq], [int(n) + window - 1])  # pages for a window too
+        requests.append(req)
+        slots.append(s[int(n) - 1])
+    ones = np.ones(batch, np.int64)
+    step = ScheduledStep(requests, np.array([r.seq for r in requests]), lengths - 1, ones,
+                         np.array(slots, np.int32), ones.astype(bool), ones)
+    b = engine._batch(step)
     run = engine.runner
     for _ in range(3):
         np.asarray(run.run(b))
@@ -97,7 +101,7 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         t = time.perf_counter()
         np.asarray(run.run(b))
         walls.append(time.perf_counter() - t)
-    fn = run._compiled[("step", b.tokens.shape[0])]
+    fn = run._compiled[("step", b.tokens.shape[0], False)]
     dev = jax.device_put(b.pack())
     k, v, out = fn(run.params, run.k, run.v, run.last, dev)
     jax.block_until_ready(out)
@@ -110,7 +114,7 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
     per_window_step = None
     if window > 1:  # the same rows as a decode window: the device time of one of its steps
         b.window[:batch] = window
-        wfn, wdev = run._compiled[("window", b.tokens.shape[0])], jax.device_put(b.pack())
+        wfn, wdev = run._compiled[("window", b.tokens.shape[0], False)], jax.device_put(b.pack())
         k, v, _, out = wfn(run.params, k, v, out, wdev)
         jax.block_until_ready(out)
         t = time.perf_counter()
@@ -134,8 +138,8 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         print_table(top, title=f"decode step, batch {batch}: top kernels "
                                f"(busy {busy_ns(kernels) / 5e3:.0f} us/step)")
     run.k, run.v, run.last = k, v, out
-    for s in scheduled:
-        a.free(s.request.seq)
+    for r in requests:
+        a.free(r.seq)
     roof = step_bytes(cfg, int(lengths.sum())) / bw
     wall = statistics.median(walls)
     row = {"case": f"decode step, batch {batch}, ctx {context[0]}-{context[1]}",
@@ -211,6 +215,26 @@ def prefix_ttft(model, cfg, params, prefix_len: int, n: int, caching: bool,
             "cached tokens": engine.stats()["prefix_hits"]}
 
 
+def stand_in_device(engine: Engine) -> None:
+    """Replace the engine's compiled steps by stand-ins of the same signature that skip the
+    model (a sequence's sample is its last one + 1), so its counters time the host alone."""
+    run, vocab = engine.runner, engine.model_config.vocab_size
+
+    def step(params, k, v, last, buf):
+        return k, v, (last + 1) % vocab
+
+    def window(params, k, v, last, buf):
+        samples = (last[None] + jnp.arange(1, run.window_steps + 1)[:, None]) % vocab
+        return k, v, samples, samples[-1]
+
+    keys = [("step", t) for t in run.buckets] + [("window", t) for t in run.window_buckets]
+    for kind, t in keys:
+        buf = jax.ShapeDtypeStruct(run.empty_batch(t).pack().shape, jnp.int32)
+        fn = jax.jit(window if kind == "window" else step, donate_argnums=(1, 2))
+        fn = fn.lower(run.params, run.k, run.v, run.last, buf).compile()
+        run._compiled[(kind, t, False)] = run._compiled[(kind, t, True)] = fn
+
+
 @contextlib.contextmanager
 def host_profile(on: bool, title: str, top: int = 18):
     """cProfile the block when `on`; print its functions by own time."""
@@ -244,6 +268,9 @@ def main(argv=None):
     ap.add_argument("--host-profile", action="store_true",
                     help="profile the host (cProfile) in the last continuous run and the "
                          "prefix-cache run; print the top functions")
+    ap.add_argument("--host-only", action="store_true",
+                    help="continuous batching alone, through stand-in steps that skip the model: "
+                         "the host's time per step")
     ap.add_argument("overrides", nargs="*")
     add_args(ap, rounds=None)
     args = ap.parse_args(argv)
@@ -257,18 +284,24 @@ def main(argv=None):
     from jaxllm.inference.params import decode_params
     params = decode_params(model, cfg)
     engine_kw = dict(max_num_seqs=args.max_seqs)
-    if args.quick:
-        engine_kw.update(num_pages=256, page_size=8, max_num_batched_tokens=64)
+    if args.quick:  # a small pool and budget, unless inference.engine overrides set them
+        quick = dict(num_pages=256, page_size=8, max_num_batched_tokens=64)
+        engine_kw.update({k: v for k, v in quick.items()
+                          if not any(o.startswith(f"inference.engine.{k}=") for o in overrides)})
 
     t0 = time.perf_counter()
-    engine = Engine(model, cfg, params=params, **engine_kw)
+    engine = Engine(model, cfg, params=params, warm_up=not args.host_only, **engine_kw)
+    if args.host_only:
+        stand_in_device(engine)
     rows = [{"case": "engine start-up (compile every bucket)", "total s": time.perf_counter() - t0,
              "buckets": len(engine.runner.buckets), "pages": engine.num_pages}]
     print(rows[-1], flush=True)
-    bw = read_bandwidth()
-    print(f"read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    rows.append(decode_step(engine, cfg, args.batch, span(args.context), bw, args.profile))
-    print(rows[-1], flush=True)
+    bw = None
+    if not args.host_only:
+        bw = read_bandwidth()
+        print(f"read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+        rows.append(decode_step(engine, cfg, args.batch, span(args.context), bw, args.profile))
+        print(rows[-1], flush=True)
     if args.only_step:
         print_table(rows, title="serving engine (in process)")
         return
@@ -288,6 +321,10 @@ def main(argv=None):
     with host_profile(args.host_profile, "continuous batching"):
         rows.append(continuous(engine, prompts, outputs))
     print(rows[-1], flush=True)
+    if args.host_only:
+        print_table(rows, title="serving engine (in process), stand-in steps: the host alone")
+        write_json(args.json, rows)
+        return
     del engine  # its page pool
     gc.collect()
     rows.append(static(params, prompts, outputs, args.batch))

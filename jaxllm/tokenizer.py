@@ -41,7 +41,16 @@ class ByteTokenizer:
     def stream_decoder(self):
         """A callable that takes new ids and returns the text they complete."""
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        return lambda ids: dec.decode(bytes(int(i) for i in ids if 0 <= int(i) < 256))
+
+        def step(ids) -> str:
+            if isinstance(ids, (list, tuple)):  # a sequence of ints (not a buffer)
+                try:  # the common case: byte ids only
+                    return dec.decode(bytes(ids))
+                except (ValueError, TypeError):  # special ids are dropped
+                    pass
+            return dec.decode(bytes(int(i) for i in ids if 0 <= int(i) < 256))
+
+        return step
 
 
 class HFTokenizer:

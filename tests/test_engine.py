@@ -228,3 +228,21 @@ def test_no_compiles_after_warm_up_and_async_streams(setup, prompts, alone):
     assert all(r[-1].finished for r in results)
     _all_free(engine)
     assert engine.stats()["compiles_since_start"] == 0
+
+
+def test_steps_do_not_branch_on_the_device(setup):
+    """Neither form of the step or the window holds a device-side conditional: the GPU
+    runtime resolves one by reading its predicate back, which would hold the host's next
+    dispatch until the step's logits exist."""
+    import jax
+    import jax.numpy as jnp
+    engine = _engine(setup, page_size=8, num_pages=64, max_num_seqs=4,
+                     max_num_batched_tokens=32, decode_window=4)
+    run = engine.runner
+    for sampled in (False, True):
+        batch = run.empty_batch(16)
+        buf = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32)
+        args = (run.params, run.k, run.v, run.last, buf, batch.layout(), sampled)
+        for text in (run._jit.lower(*args).as_text(),
+                     run._jit_window.lower(*args, run.window_steps).as_text()):
+            assert "stablehlo.case" not in text and "stablehlo.if" not in text

@@ -90,6 +90,77 @@ def test_allocator_model(ops, num_pages, page_size):
     assert all(alloc.refcount(p) == 0 for p in range(num_pages))
 
 
+def _state(alloc):
+    return ({s: (alloc.pages(s), alloc.length(s)) for s in alloc.sequences}, alloc.num_free,
+            [alloc.refcount(p) for p in range(alloc.num_pages)])
+
+
+_EXTEND_OPS = st.lists(st.one_of(
+    st.tuples(st.just("alloc")),
+    st.tuples(st.just("extend"), st.lists(st.integers(0, 7), min_size=1, max_size=4),
+              st.lists(st.integers(1, 4), min_size=4, max_size=4)),
+    st.tuples(st.just("extend"), st.lists(st.integers(0, 7), min_size=2, max_size=4),
+              st.lists(st.just(1), min_size=4, max_size=4)),
+    st.tuples(st.just("fork"), st.integers(0, 7)),
+    st.tuples(st.just("free"), st.integers(0, 7)),
+    st.tuples(st.just("truncate"), st.integers(0, 7), st.floats(0, 1)),
+), min_size=4, max_size=40)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=_EXTEND_OPS, num_pages=st.integers(4, 24), page_size=st.sampled_from([1, 2, 4]))
+def test_extend_is_append_as_arrays(ops, num_pages, page_size):
+    """`extend` (a step's decode rows at once) leaves the allocator exactly as `append` of the
+    same sequences in order: the same pages taken, the same slots, the same errors."""
+    fast, ref = (PageAllocator(num_pages, page_size, max_pages_per_seq=num_pages)
+                 for _ in range(2))
+    for op in [("alloc",)] * 3 + ops:
+        live = fast.sequences
+        pick = (lambda i: live[i % len(live)]) if live else None
+        if op[0] == "alloc":
+            assert fast.allocate() == ref.allocate()
+        elif op[0] == "fork" and live:
+            assert fast.fork(pick(op[1])) == ref.fork(pick(op[1]))
+        elif op[0] == "free" and live:
+            fast.free(pick(op[1]))
+            ref.free(pick(op[1]))
+        elif op[0] == "truncate" and live:
+            s = pick(op[1])
+            n = int(op[2] * fast.length(s))
+            fast.truncate(s, n)
+            ref.truncate(s, n)
+        elif op[0] == "extend" and live:
+            seqs = list(dict.fromkeys(pick(i) for i in op[1]))
+            counts = op[2][:len(seqs)]
+            before = _state(fast)
+            try:
+                first = fast.extend(seqs, counts)
+            except OutOfPagesError:
+                assert _state(fast) == before
+                with pytest.raises(OutOfPagesError):
+                    ref.append(seqs, counts)
+                continue
+            except ValueError as e:  # too long, or a shared partly filled last page
+                assert _state(fast) == before
+                assert "max_pages_per_seq" in str(e) or "shares" in str(e)
+                continue
+            slots, copies = ref.append(seqs, counts)
+            assert copies == []
+            assert first.tolist() == [int(x[0]) for x in slots]
+        assert _state(fast) == _state(ref)
+
+
+def test_extend_refuses_repeated_or_unknown_sequences():
+    alloc = PageAllocator(num_pages=8, page_size=4, max_pages_per_seq=8)
+    a = alloc.allocate()
+    with pytest.raises(ValueError, match="distinct"):
+        alloc.extend([a, a], 1)
+    with pytest.raises(ValueError, match="unknown sequence"):
+        alloc.extend([a + 1], 1)
+    assert alloc.extend([a], 5).tolist() == [alloc.pages(a)[0] * 4]
+    assert alloc.block_tables([a], width=3).tolist() == [alloc.pages(a) + [8]]
+
+
 def test_out_of_pages_is_catchable_and_changes_nothing():
     alloc = PageAllocator(num_pages=3, page_size=4, max_pages_per_seq=8)
     a, b = alloc.allocate(), alloc.allocate()

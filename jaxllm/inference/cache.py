@@ -13,11 +13,11 @@ query.
 `PagedCache`: pools k, v [L, Hkv, num_pages, page_size, D] (layer l is `k[l]`, the layout
 `kernels.paged_attention` reads in place) and the batch's block tables. A sequence owns a
 list of pages and a length; token t lives in page `table[t // page_size]` at offset
-`t % page_size`. Pages are taken one at a time as tokens arrive, so a sequence wastes at
-most its last, partly filled page. `PageAllocator` is the host bookkeeping (refcounts,
-forks with copy-on-write of a shared, partly filled last page, `OutOfPagesError` before
-anything changes); `PagePool` ties the pool arrays to it for eager use; `token_slots`,
-`write_kv`, `write_layer` and `copy_pages` are the pure device functions.
+`t % page_size`. `PageAllocator` (inference/pages.py, re-exported here) is the host
+bookkeeping (refcounts, forks with copy-on-write of a shared, partly filled last page,
+`OutOfPagesError` before anything changes); `PagePool` ties the pool arrays to it for eager
+use; `token_slots`, `write_kv`, `write_layer` and `copy_pages` are the pure device
+functions.
 
 `LatentCache`: multi-head latent attention (model.attention mla) caches one latent per token
 and layer instead of per-head K/V: c [B, max_len, kv_lora_rank + qk_rope_head_dim], the
@@ -36,186 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxllm.inference.pages import OutOfPagesError, PageAllocator  # noqa: F401  (re-exported)
 from jaxllm.kernels import decode_attention, paged_attention, ragged_paged_attention
 from jaxllm.kernels.reference import gather_pages
 from jaxllm.kernels.xla import cached_attention
-
-
-class OutOfPagesError(ValueError):
-    """The page pool has too few free pages for the request; nothing was changed."""
-
-
-class PageAllocator:
-    """Which pages each sequence owns, with refcounts for pages shared by forks."""
-
-    def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
-        if num_pages < 1 or page_size < 1 or max_pages_per_seq < 1:
-            raise ValueError(f"num_pages={num_pages}, page_size={page_size} and "
-                             f"max_pages_per_seq={max_pages_per_seq} must all be >= 1")
-        self.num_pages, self.page_size = num_pages, page_size
-        self.max_pages_per_seq = max_pages_per_seq
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: low page ids first
-        self._refs = np.zeros(num_pages, np.int32)
-        self._pages: dict[int, list[int]] = {}
-        self._lengths: dict[int, int] = {}
-        self._next_id = 0
-
-    # ---- queries ----
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def sequences(self) -> list[int]:
-        return list(self._pages)
-
-    def length(self, seq: int) -> int:
-        return self._lengths[self._check(seq)]
-
-    def pages(self, seq: int) -> list[int]:
-        return list(self._pages[self._check(seq)])
-
-    def pages_view(self, seq: int) -> list[int]:
-        """The sequence's page list itself (not a copy): read it, never change it."""
-        return self._pages[seq]
-
-    def refcount(self, page: int) -> int:
-        return int(self._refs[page])
-
-    def block_tables(self, seqs, width: int | None = None) -> np.ndarray:
-        """int32 [len(seqs), width]. Entries past a sequence's pages are `num_pages`, one past
-        the pool: reads there are masked by length and writes (padding) are dropped."""
-        width = self.max_pages_per_seq if width is None else width
-        out = np.full((len(seqs), width), self.num_pages, np.int32)
-        for i, s in enumerate(seqs):
-            pages = self._pages[self._check(s)]
-            if len(pages) > width:
-                raise ValueError(f"sequence {s} has {len(pages)} pages; width={width} is too small")
-            out[i, :len(pages)] = pages
-        return out
-
-    def lengths(self, seqs) -> np.ndarray:
-        return np.array([self.length(s) for s in seqs], np.int32)
-
-    # ---- changes ----
-    def allocate(self) -> int:
-        """A new, empty sequence (it holds no page until tokens are appended)."""
-        seq, self._next_id = self._next_id, self._next_id + 1
-        self._pages[seq], self._lengths[seq] = [], 0
-        return seq
-
-    def fork(self, seq: int) -> int:
-        """A new sequence sharing all of `seq`'s pages and length (copy-on-write)."""
-        child = self.allocate()
-        self._pages[child] = list(self._pages[self._check(seq)])
-        self._lengths[child] = self._lengths[seq]
-        for p in self._pages[child]:
-            self._refs[p] += 1
-        return child
-
-    def free(self, seq: int) -> None:
-        for p in self._pages.pop(self._check(seq)):
-            self._release(p)
-        del self._lengths[seq]
-
-    def truncate(self, seq: int, length: int) -> None:
-        """Drop tokens past `length` (e.g. rejected speculative tokens); frees unused pages."""
-        if not 0 <= length <= self.length(seq):
-            raise ValueError(f"cannot truncate sequence {seq} of length {self.length(seq)} "
-                             f"to {length}")
-        pages = self._pages[seq]
-        keep = -(-length // self.page_size)
-        for p in pages[keep:]:
-            self._release(p)
-        del pages[keep:]
-        self._lengths[seq] = length
-
-    def append(self, seqs, counts) -> tuple[list[np.ndarray], list[tuple[int, int]]]:
-        """Reserve room for counts[i] more tokens in seqs[i], all or nothing.
-
-        Returns (slots, copies): slots[i] is int32 [counts[i]], the flat pool slot
-        (page * page_size + offset) of each new token in order; copies are the
-        (src_page, dst_page) copies to run on the device before writing (copy-on-write of
-        shared, partly filled last pages). Raises OutOfPagesError (nothing changed) when
-        the free pages do not suffice.
-        """
-        seqs, counts = list(seqs), [int(c) for c in counts]
-        if len(seqs) != len(counts) or len(set(seqs)) != len(seqs):
-            raise ValueError(f"append wants distinct sequences and one count each; got "
-                             f"seqs={seqs} counts={counts}")
-        need = 0
-        for s, n in zip(seqs, counts):
-            length, pages = self.length(s), self._pages[s]
-            if n < 0:
-                raise ValueError(f"cannot append {n} tokens to sequence {s}")
-            total = -(-(length + n) // self.page_size)
-            if total > self.max_pages_per_seq:
-                raise ValueError(f"sequence {s} would need {total} pages for {length + n} tokens; "
-                                 f"max_pages_per_seq={self.max_pages_per_seq}")
-            need += total - len(pages) + int(self._needs_copy(s, n))
-        if need > self.num_free:
-            raise OutOfPagesError(f"need {need} free pages for this append but only "
-                                  f"{self.num_free} of {self.num_pages} are free; free or "
-                                  f"preempt sequences, or make the pool larger")
-        slots, copies = [], []
-        for s, n in zip(seqs, counts):
-            pages, length = self._pages[s], self._lengths[s]
-            if self._needs_copy(s, n):
-                new = self._take()
-                copies.append((pages[-1], new))
-                self._release(pages[-1])
-                pages[-1] = new
-            while len(pages) * self.page_size < length + n:
-                pages.append(self._take())
-            pos = np.arange(length, length + n)
-            slots.append((np.asarray(pages, np.int64)[pos // self.page_size] * self.page_size
-                          + pos % self.page_size).astype(np.int32))
-            self._lengths[s] = length + n
-        return slots, copies
-
-    def append_one(self, seq: int) -> int:
-        """Room for one more token of `seq` (a decode step) whose last page is its own: its
-        flat pool slot. The same as append([seq], [1]) (OutOfPagesError when it needs a page
-        and none is free), with a fast path for a token that lands in that page."""
-        length, pages = self._lengths[seq], self._pages[seq]
-        offset = length % self.page_size
-        if offset and self._refs[pages[-1]] == 1:
-            self._lengths[seq] = length + 1
-            return pages[-1] * self.page_size + offset
-        (slots,), copies = self.append([seq], [1])
-        assert not copies
-        return int(slots[0])
-
-    # ---- internals ----
-    def _check(self, seq: int) -> int:
-        if seq not in self._pages:
-            raise ValueError(f"unknown sequence id {seq}; live ones: {sorted(self._pages)}")
-        return seq
-
-    def _needs_copy(self, seq: int, n: int) -> bool:
-        pages = self._pages[seq]
-        partial = self._lengths[seq] % self.page_size != 0
-        return n > 0 and partial and self._refs[pages[-1]] > 1
-
-    def _take(self) -> int:
-        page = self._pop_free()
-        assert self._refs[page] == 0, f"page {page} handed out while still referenced"
-        self._refs[page] = 1
-        return page
-
-    def _release(self, page: int) -> None:
-        self._refs[page] -= 1
-        assert self._refs[page] >= 0
-        if self._refs[page] == 0:
-            self._unused(page)
-
-    # where free pages come from and go (the prefix cache keeps some of them)
-    def _pop_free(self) -> int:
-        return self._free.pop()
-
-    def _unused(self, page: int) -> None:
-        self._free.append(page)
-
 
 # ---------------------------------------------------------------------------------------
 # Device side: pure, jitted functions over the pool arrays.

@@ -10,9 +10,11 @@ budget, chunked prefill, prefix cache, preemption) picks each step's tokens; the
 runner (inference/runner.py: one compiled step per token bucket, and decode windows of
 several steps in one call when every running request is decoding) runs them; the output
 processing here turns sampled ids into text, applies stop ids and stop strings, and frees a
-finished request's pages at once. `AsyncEngine` (inference/async_engine.py, re-exported
-here) drives an engine from a thread for asyncio callers (the HTTP server), streaming each
-request's outputs.
+finished request's pages at once. A step's host work is array operations over its rows
+(the scheduler's decode rows, the allocator's page reservations and block tables, the step's
+arrays in one buffer), then one visit per request that got tokens, for its output.
+`AsyncEngine` (inference/async_engine.py, re-exported here) drives an engine from a thread
+for asyncio callers (the HTTP server), streaming each request's outputs.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from jaxllm.config import Config
 from jaxllm.inference.params import DecodeParams, decode_params
 from jaxllm.inference.requests import QueueFullError, RequestOutput, SamplingParams
 from jaxllm.inference.runner import MAX_BANNED, ModelRunner, StepBatch
-from jaxllm.inference.scheduler import Request, Scheduled, Scheduler
+from jaxllm.inference.scheduler import Request, ScheduledStep, Scheduler
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _COMPILED = [0]  # backend compiles in this process (any jit), counted by the listener below
@@ -52,9 +54,14 @@ def compile_count() -> int:
 
 @dataclasses.dataclass(eq=False)
 class _Live:
-    """A request's output state: text so far, the part already sent, its stop strings."""
+    """A request's output state: text so far, the part already sent; its stop ids, the
+    characters held back while they could start a stop string, and the most tokens it may
+    generate (max_tokens, or fewer by the model's context)."""
     request: Request
     decode: object  # the tokenizer's stream decoder
+    stop_ids: tuple[int, ...]
+    hold: int
+    limit: int
     text: str = ""
     sent: int = 0  # characters of `text` already handed out
     sent_tokens: int = 0
@@ -101,6 +108,7 @@ class Engine:
         self.warm_up_s = time.perf_counter() - t0
         self._compiles_at_start = compile_count()
         self._live: dict[str, _Live] = {}
+        self._sampling = 0  # live requests that sample or hold stop ids back (min_tokens)
         self._inflight = None  # (scheduled, sampled tokens on the device) of the last step
         self._numbers = itertools.count()
         # host seconds scheduling + dispatching, waiting for the device, and processing outputs
@@ -147,7 +155,13 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, prompt_ids, params, next(self._numbers))
         req.seed_words = self._seed(req)
-        self._live[request_id] = _Live(req, self.tokenizer.stream_decoder())
+        stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
+        hold = max(map(len, params.stop)) - 1 if params.stop else 0
+        limit = min(params.max_tokens, self.max_model_len - len(prompt_ids))
+        self._live[request_id] = _Live(req, self.tokenizer.stream_decoder(), stop_ids, hold,
+                                       limit)
+        if params.temperature > 0 or params.min_tokens:
+            self._sampling += 1
         self.scheduler.add(req)
         self.totals["prompt_tokens"] += len(prompt_ids)
         return request_id
@@ -155,11 +169,11 @@ class Engine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its pages; its last output (finish_reason "abort"), or
         None if it is unknown or already finished."""
-        live = self._live.pop(request_id, None)
+        live = self._live.get(request_id)
         if live is None:
             return None
-        self.scheduler.finish(live.request)
-        return self._output(live, finished=True, reason="abort", now=time.perf_counter())
+        self._drop(live)
+        return self._output(live, True, "abort", time.perf_counter())
 
     def has_unfinished(self) -> bool:
         return bool(self._live) or self._inflight is not None
@@ -183,36 +197,35 @@ class Engine:
 
     def _dispatch(self):
         t0 = time.perf_counter()
-        scheduled = self.scheduler.schedule_window(self.config.decode_window)
-        if scheduled:
-            tokens = self.runner.run_window(self._batch(scheduled))
+        step = self.scheduler.schedule_window(self.config.decode_window)
+        if step is not None:
+            tokens = self.runner.run_window(self._batch(step))
             self.totals["windows"] += 1
         else:
-            scheduled = self.scheduler.schedule()
-            if not scheduled:
+            step = self.scheduler.schedule()
+            if step is None:
                 return None
-            tokens = self.runner.run(self._batch(scheduled))
-        self.scheduler.dispatched(scheduled)
+            tokens = self.runner.run(self._batch(step))
+        self.scheduler.dispatched(step)
         self.totals["steps"] += 1
         self.totals["dispatch_s"] += time.perf_counter() - t0
-        return scheduled, tokens
+        return step, tokens
 
-    def _collect(self, scheduled: list[Scheduled], tokens) -> list[RequestOutput]:
+    def _collect(self, step: ScheduledStep, tokens) -> list[RequestOutput]:
         t0 = time.perf_counter()
         tokens = np.asarray(tokens)  # waits for the step: [N], or [k, N] for a window
         now, outputs = time.perf_counter(), []
         self.totals["wait_s"] += now - t0
-        rows = tokens.T.tolist() if tokens.ndim == 2 else tokens[:, None].tolist()
-        for i, s in enumerate(scheduled):
-            if not s.sample:
-                continue
-            req = s.request
-            req.pending -= s.window
-            live = self._live.get(req.request_id)
+        rows = (tokens.T if step.is_window else tokens[:, None]).tolist()  # [N][k]
+        requests, windows, live_of = step.requests, step.windows.tolist(), self._live
+        for i in np.flatnonzero(step.sample).tolist():
+            req, w, row = requests[i], windows[i], rows[i]
+            req.pending -= w
+            live = live_of.get(req.request_id)
             if live is None or live.request is not req:  # aborted meanwhile
                 continue
-            outputs.append(self._append(live, rows[i][:s.window], now))
-        self.scheduler.register(s.request for s in scheduled)
+            outputs.append(self._append(live, row if len(row) == w else row[:w], now))
+        self.scheduler.register(step)
         self.totals["collect_s"] += time.perf_counter() - now
         return outputs
 
@@ -268,118 +281,112 @@ class Engine:
             s = int.from_bytes(digest.digest(), "little") >> 1
         return s & 0xFFFFFFFF, s >> 32
 
-    def _batch(self, scheduled: list[Scheduled]) -> StepBatch:
-        """The step's arrays: built as Python lists and written once per field (a step of
-        hundreds of decode rows is host work on every token)."""
-        n_seqs = len(scheduled)
-        lengths = [s.n for s in scheduled]
-        b = self.runner.empty_batch(self.runner.bucket(sum(lengths)))
-        tokens, slots, starts, previous = [], [], [], []
-        for s in scheduled:
-            r = s.request
-            starts.append(s.start)
-            if s.n == 1:  # a decode row (the common case)
-                slots.append(s.slots)
-                if s.start < len(r.tokens):
-                    tokens.append(r.tokens[s.start])
-                    continue
-                tokens.append(0)
-            else:
-                slots.extend(s.slots.tolist())
-                known = r.tokens[s.start:s.start + s.n]
-                tokens.extend(known)
-                if len(known) == s.n:
-                    continue
-                tokens.append(0)
-            previous.append((len(tokens) - 1, r.sample_slot))  # the pending token, sampled
-        t = len(tokens)                                     # by the step before
-        b.tokens[:t], b.slots[:t] = tokens, slots
-        ends = np.cumsum(lengths)
-        b.q_starts[1:n_seqs + 1], b.q_starts[n_seqs + 1:] = ends, t
-        b.positions[:t] = np.arange(t) + np.repeat(np.asarray(starts) - (ends - lengths),
-                                                   lengths)
-        b.kv_lens[:n_seqs] = np.asarray(starts) + lengths
-        b.sample_at[:n_seqs] = ends - 1
-        b.window[:n_seqs] = [s.window for s in scheduled]
-        if previous:
-            rows, from_slots = zip(*previous)
-            b.from_previous[list(rows)] = from_slots
-        self._tables(scheduled, b.block_tables)
-        for i, s in enumerate(scheduled):
-            if s.sample:
-                self._sampling_row(b, i, s.request, s.request.params)
+    def _batch(self, step: ScheduledStep) -> StepBatch:
+        """The step's arrays, written with array operations over its rows. Python visits a
+        row for its input tokens only: a decode row's is usually the one the step before
+        samples (taken on the device), a prefill chunk's are known; and visits the sampling
+        options of the rows that sample, if any live request does."""
+        n, counts, starts = len(step), step.counts, step.starts
+        ends = np.cumsum(counts)
+        t = int(ends[-1])
+        b = self.runner.empty_batch(self.runner.bucket(t))
+        first = ends - counts  # each row's first token
+        b.q_starts[1:n + 1], b.q_starts[n + 1:] = ends, t
+        b.positions[:t] = np.arange(t) + np.repeat(starts - first, counts)
+        b.slots[:t] = step.slots
+        b.kv_lens[:n] = starts + counts
+        b.sample_at[:n] = ends - 1
+        b.window[:n] = step.windows
+        self.scheduler.allocator.block_tables(step.seqs, out=b.block_tables[:n])
+        # tokens [start, start + count) of each row; the last may be pending (not yet read)
+        requests = step.requests
+        have = np.fromiter((len(r.tokens) for r in requests), np.int64, n)
+        pending = np.flatnonzero(starts + counts > have)
+        b.from_previous[ends[pending] - 1] = [requests[i].sample_slot for i in pending.tolist()]
+        for i in np.flatnonzero(have > starts).tolist():  # rows with known tokens
+            s, f = int(starts[i]), int(first[i])
+            known = requests[i].tokens[s:s + int(counts[i])]
+            b.tokens[f:f + len(known)] = known
+        if self._sampling:
+            for i in np.flatnonzero(step.sample).tolist():
+                self._sampling_row(b, i, requests[i], requests[i].params)
         return b
-
-    def _tables(self, scheduled: list[Scheduled], out: np.ndarray) -> None:
-        """Block-table rows, kept per request and extended as its pages grow (a running
-        request's pages only grow: writes never go to shared pages, nothing is truncated)."""
-        a = self.scheduler.allocator
-        for i, s in enumerate(scheduled):
-            r = s.request
-            pages = a.pages_view(r.seq)
-            if r.table is None or r.table_seq != r.seq:
-                r.table = np.full(self.max_pages_per_seq, self.num_pages, np.int32)
-                r.table_seq, r.table_len = r.seq, 0
-            if len(pages) > r.table_len:
-                r.table[r.table_len:len(pages)] = pages[r.table_len:]
-                r.table_len = len(pages)
-            out[i] = r.table
 
     def _sampling_row(self, b: StepBatch, i: int, r: Request, p: SamplingParams) -> None:
         if p.temperature > 0:  # greedy rows keep the batch's zeros
             b.temperature[i], b.top_k[i], b.top_p[i] = p.temperature, p.top_k, p.top_p
             b.seed[i] = r.seed_words
-        b.draw[i] = len(r.output) + r.pending
+            b.draw[i] = len(r.output) + r.pending
         if len(r.output) + r.pending < p.min_tokens:
             banned = self._banned(p)
             b.banned[i, :len(banned)] = banned
             b.ban_steps[i] = p.min_tokens - len(r.output) - r.pending
 
     def _append(self, live: _Live, tokens: list[int], now: float) -> RequestOutput:
-        """Sampled tokens, in order, each through the stop ids, the length limit, then its
-        text and stop strings; those after the one that finishes the request are dropped."""
-        req, p = live.request, live.request.params
+        """A request's sampled tokens, in order, each through the stop ids, its text and the
+        stop strings, then the length limit; those after the one that finishes the request
+        are dropped (a stop id is not part of the output; a stop string cuts the text
+        before it). The output: every step of every request comes this way."""
         if live.first_token_time is None:
             live.first_token_time = now
-        stop_ids = p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self.eos_ids)
+        req = live.request
+        output, stop = req.output, req.params.stop
+        reason, used = None, 0
         for token in tokens:
-            self.totals["generation_tokens"] += 1
-            if token in stop_ids:
-                return self._finish(live, "stop", now)  # the stop id is not in the output
-            req.output.append(token)
+            used += 1
+            if token in live.stop_ids:
+                reason = "stop"
+                break
+            output.append(token)
             req.tokens.append(token)
             before = len(live.text)
-            live.text += live.decode([token])
-            if p.stop:  # a stop string that ends in the new text starts at most this far back
-                start = max(0, before - max(map(len, p.stop)) + 1)
-                cut = min((i for i in (live.text.find(s, start) for s in p.stop) if i >= 0),
-                          default=-1)
-                if cut >= 0:
-                    live.text = live.text[:cut]
-                    return self._finish(live, "stop", now)
-            if len(req.output) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
-                return self._finish(live, "length", now)
-        return self._output(live, finished=False, reason=None, now=now)
+            # one token: the list itself goes to the decoder
+            live.text += live.decode(tokens if len(tokens) == 1 else (token,))
+            if stop and self._cut(live, before):
+                reason = "stop"
+                break
+            if len(output) >= live.limit:
+                reason = "length"
+                break
+        self.totals["generation_tokens"] += used
+        if reason is not None:
+            return self._finish(live, reason, now)
+        return self._output(live, False, None, now)
+
+    def _cut(self, live: _Live, before: int) -> bool:
+        """Cut the text before the first stop string in it, if one ends in the text after
+        `before` (it starts at most `hold` characters earlier)."""
+        start = max(0, before - live.hold)
+        cut = min((i for i in (live.text.find(s, start) for s in live.request.params.stop)
+                   if i >= 0), default=-1)
+        if cut >= 0:
+            live.text = live.text[:cut]
+        return cut >= 0
 
     def _finish(self, live: _Live, reason: str, now: float) -> RequestOutput:
-        self._live.pop(live.request.request_id, None)
-        self.scheduler.finish(live.request)
+        self._drop(live)
         self.totals["requests_finished"] += 1
-        return self._output(live, finished=True, reason=reason, now=now)
+        return self._output(live, True, reason, now)
 
-    def _output(self, live: _Live, *, finished: bool, reason: str | None,
+    def _drop(self, live: _Live) -> None:
+        """Forget a request and free its pages."""
+        del self._live[live.request.request_id]
+        p = live.request.params
+        if p.temperature > 0 or p.min_tokens:
+            self._sampling -= 1
+        self.scheduler.finish(live.request)
+
+    def _output(self, live: _Live, finished: bool, reason: str | None,
                 now: float) -> RequestOutput:
-        req = live.request
-        hold = 0 if finished or not req.params.stop else max(map(len, req.params.stop)) - 1
-        upto = max(live.sent, len(live.text) - hold)
-        new_text, live.sent = live.text[live.sent:upto], upto
+        req, text = live.request, live.text
+        upto = max(live.sent, len(text) - (0 if finished else live.hold))
+        new_text, live.sent = text[live.sent:upto], upto
         new_ids, live.sent_tokens = req.output[live.sent_tokens:], len(req.output)
-        return RequestOutput(
-            request_id=req.request_id, prompt_tokens=len(req.prompt), new_token_ids=new_ids,
-            new_text=new_text, token_ids=list(req.output), text=live.text[:upto],
-            finished=finished, finish_reason=reason, cached_tokens=req.cached_tokens,
-            arrival_time=req.arrival_time, first_token_time=live.first_token_time,
-            finish_time=now if finished else None)
+        # positional, in the order of RequestOutput's fields (a step makes hundreds)
+        return RequestOutput(req.request_id, len(req.prompt), new_ids, new_text,
+                             list(req.output), text[:upto], finished, reason,
+                             req.cached_tokens, req.arrival_time, live.first_token_time,
+                             now if finished else None)
 
 
 # asyncio callers (the HTTP server): an engine driven from a thread

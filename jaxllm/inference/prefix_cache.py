@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from jaxllm.inference.cache import PageAllocator
+from jaxllm.inference.pages import PageAllocator
 
 
 def chain_hash(parent: bytes, tokens) -> bytes:
@@ -38,6 +38,7 @@ class PrefixCachingAllocator(PageAllocator):
         self._key_of: dict[int, bytes] = {}  # page -> key
         self._parked: OrderedDict[int, None] = OrderedDict()  # cached, unused; LRU first
         self._keys: dict[int, list[bytes]] = {}  # seq -> keys of its leading full pages
+        self._n_keys = np.zeros(0, np.int64)  # len(self._keys[seq]) by sequence row
 
     @property
     def num_free(self) -> int:
@@ -68,39 +69,57 @@ class PrefixCachingAllocator(PageAllocator):
             if self._refs[p] == 0:
                 del self._parked[p]
             self._refs[p] += 1
-        self._pages[seq] = pages
+        self._tables[seq, :len(pages)] = pages
         self._lengths[seq] = len(pages) * self.page_size
         self._keys[seq] = [self._key_of[p] for p in pages]
-        return seq, self._lengths[seq]
+        self._n_keys[seq] = len(pages)
+        return seq, int(self._lengths[seq])
+
+    def unkeyed(self, seqs, n_tokens) -> np.ndarray:
+        """The indices i of the sequences seqs[i] (their known tokens: n_tokens[i]) that have
+        written full pages not yet keyed: the ones `register` has work for."""
+        seqs = self._check_all(seqs)
+        full = np.minimum(self._lengths[seqs], n_tokens) // self.page_size
+        return np.flatnonzero(full > self._n_keys[seqs])
 
     def register(self, seq: int, tokens) -> None:
         """Key the full pages of `seq` whose tokens (`tokens`: the sequence's, from the
         start) are now written. A page whose key is already held by another page stays
         unkeyed (two sequences computed the same prefix at once)."""
         keys = self._keys.setdefault(self._check(seq), [])
-        pages, ps = self._pages[seq], self.page_size
-        full = min(self._lengths[seq], len(tokens)) // ps
+        ps = self.page_size
+        full = min(int(self._lengths[seq]), len(tokens)) // ps
         while len(keys) < full:
             j = len(keys)
+            page = int(self._tables[seq, j])
             key = chain_hash(keys[-1] if keys else b"", tokens[j * ps:(j + 1) * ps])
-            if key not in self._page_of and pages[j] not in self._key_of:
-                self._page_of[key], self._key_of[pages[j]] = pages[j], key
+            if key not in self._page_of and page not in self._key_of:
+                self._page_of[key], self._key_of[page] = page, key
             keys.append(key)
+        self._n_keys[seq] = len(keys)
 
     def free(self, seq: int) -> None:
-        self._keys.pop(seq, None)
         super().free(seq)
+        self._keys.pop(seq, None)
+        self._n_keys[seq] = 0
 
     def truncate(self, seq: int, length: int) -> None:
+        super().truncate(seq, length)
         keys = self._keys.get(seq)
         if keys is not None:
             del keys[length // self.page_size:]
-        super().truncate(seq, length)
+            self._n_keys[seq] = len(keys)
 
     def fork(self, seq: int) -> int:
         child = super().fork(seq)
         self._keys[child] = list(self._keys.get(seq, []))
+        self._n_keys[child] = len(self._keys[child])
         return child
+
+    def _grow(self) -> None:
+        super()._grow()
+        self._n_keys = np.concatenate(
+            [self._n_keys, np.zeros(len(self._live) - len(self._n_keys), np.int64)])
 
     def _pop_free(self) -> int:
         if self._free:

@@ -14,11 +14,18 @@ once for them all (as vLLM's multi-step scheduling does).
 Shapes are static: T is rounded up to a power of two (`token_buckets`), N is always
 `max_num_seqs` (padding sequences have no tokens) and the block tables are
 `max_pages_per_seq` wide, so the step compiles once per token bucket and the window once
-per bucket up to N rows, all at start-up (`warm_up`), and never after.
+per bucket up to N rows, all at start-up (`warm_up`), and never after. Each is compiled
+twice: greedy (an argmax) and sampling (temperature, top-k, top-p), the host picking the
+form from the rows' temperatures. Nothing in a step branches on the device: the GPU runtime
+resolves a device-side branch (`lax.cond`) by reading its predicate back, which holds the
+host until every kernel before the branch has run, and so would serialise the host's work
+on the next step with the device's on this one.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -53,8 +60,9 @@ class StepBatch:
     top_k, top_p, seed (uint32 [N, 2]), draw (the number of the token drawn, so a seeded
     request draws the same whatever it is batched with), banned ids [N, MAX_BANNED]
     (vocab size: none) and ban_steps (a window's steps that ban them: min_tokens) and, for a
-    decode window, window [N] (the steps each sequence runs). It travels to the device as one
-    int32 buffer (`pack`)."""
+    decode window, window [N] (the steps each sequence runs). The fields are views of one
+    int32 buffer (`buffer`), which travels to the device as it is (`pack`); on the device
+    `unpack` cuts it into the fields again."""
     tokens: np.ndarray
     positions: np.ndarray
     slots: np.ndarray
@@ -71,36 +79,57 @@ class StepBatch:
     banned: np.ndarray
     ban_steps: np.ndarray
     window: np.ndarray
+    buffer: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     def pack(self) -> np.ndarray:
-        return np.concatenate([np.ascontiguousarray(getattr(self, f.name)).view(np.int32)
-                               .reshape(-1) for f in dataclasses.fields(self)])
+        """The int32 buffer the fields are views of."""
+        return self.buffer
 
     def layout(self) -> tuple:
         """(name, shape, dtype) of each field: how `unpack` cuts the buffer."""
-        return tuple((f.name, getattr(self, f.name).shape, getattr(self, f.name).dtype.str)
-                     for f in dataclasses.fields(self))
+        return tuple((name, getattr(self, name).shape, getattr(self, name).dtype.str)
+                     for name in _ARRAYS)
+
+
+_ARRAYS = tuple(f.name for f in dataclasses.fields(StepBatch) if f.name != "buffer")
 
 
 def unpack(buf, layout) -> StepBatch:
-    """The device-side StepBatch of a packed buffer (static slices, bitcasts)."""
-    fields, at = {}, 0
+    """The StepBatch of a packed buffer: static slices, bitcast on the device; on the host
+    (numpy) the fields are views of `buf`, which the batch keeps as its buffer."""
+    host = isinstance(buf, np.ndarray)
+    fields = {}
+    for name, start, stop, shape, dtype in _cuts(layout):
+        x = buf[start:stop]
+        if dtype != np.int32:
+            x = x.view(dtype) if host else jax.lax.bitcast_convert_type(x, dtype)
+        fields[name] = x.reshape(shape)
+    return StepBatch(**fields, buffer=buf if host else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuts(layout) -> tuple:
+    """(name, start, stop, shape, dtype) of each field of a layout in the buffer."""
+    out, at = [], 0
     for name, shape, dtype in layout:
-        n = int(np.prod(shape))
-        x = buf[at:at + n]
-        if np.dtype(dtype) != np.int32:
-            x = jax.lax.bitcast_convert_type(x, np.dtype(dtype))
-        fields[name], at = x.reshape(shape), at + n
-    return StepBatch(**fields)
+        n = math.prod(shape)
+        out.append((name, at, at + n, shape, np.dtype(dtype)))
+        at += n
+    return tuple(out)
 
 
-def _sample(params: DecodeParams, k_pool, v_pool, tokens, b: StepBatch, banned):
-    """The tokens through the model, writing their K/V; one sample per sequence."""
+def _sample(params: DecodeParams, k_pool, v_pool, tokens, b: StepBatch, banned,
+            sampled: bool):
+    """The tokens through the model, writing their K/V; one sample per sequence (the argmax
+    of each when no row samples: `sampled` is the host's, so nothing branches on the
+    device, where a branch would hold the host until the step's logits exist)."""
     cache = RaggedPagedCache(k_pool, v_pool, b.slots, b.block_tables, b.kv_lens, b.q_starts)
     h, cache = hidden_states(params, tokens[None], b.positions[None], cache)
     out = logits(params, h[:, b.sample_at])[0]  # (N, V) float32
     rows = jnp.arange(out.shape[0])[:, None]
     out = out.at[rows, banned].set(-jnp.inf, mode="drop")
+    if not sampled:
+        return cache.k, cache.v, jnp.argmax(out, axis=-1).astype(jnp.int32)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(
         jax.random.fold_in(jax.random.key(s[0]), s[1]), i))(b.seed, b.draw)
     return cache.k, cache.v, sample_rows(out, keys, b.temperature, b.top_k, b.top_p)
@@ -110,13 +139,14 @@ def _inputs(b: StepBatch, previous):
     return jnp.where(b.from_previous >= 0, previous[jnp.maximum(b.from_previous, 0)], b.tokens)
 
 
-def _step(params: DecodeParams, k_pool, v_pool, previous, buf, layout):
+def _step(params: DecodeParams, k_pool, v_pool, previous, buf, layout, sampled: bool):
     b = unpack(buf, layout)
     banned = jnp.where(b.ban_steps[:, None] > 0, b.banned, params.cfg.vocab_size)
-    return _sample(params, k_pool, v_pool, _inputs(b, previous), b, banned)
+    return _sample(params, k_pool, v_pool, _inputs(b, previous), b, banned, sampled)
 
 
-def _window(params: DecodeParams, k_pool, v_pool, previous, buf, layout, steps: int):
+def _window(params: DecodeParams, k_pool, v_pool, previous, buf, layout, sampled: bool,
+            steps: int):
     """`steps` decode steps; token row i is sequence i's one token. Sequence s advances
     window[s] of them (its later ones write nothing and are not read) -> the pools, the
     samples [steps, N] and each sequence's last sample [N]."""
@@ -138,8 +168,8 @@ def _window(params: DecodeParams, k_pool, v_pool, previous, buf, layout, steps: 
                                  kv_lens=jnp.where(b.kv_lens > 0, b.kv_lens + advance, 0),
                                  draw=b.draw + j)
         banned = jnp.where(j < b.ban_steps[:, None], b.banned, params.cfg.vocab_size)
-        k_pool, v_pool, sampled = _sample(params, k_pool, v_pool, tokens, bj, banned)
-        return (k_pool, v_pool, sampled[seq_of_row]), sampled
+        k_pool, v_pool, drawn = _sample(params, k_pool, v_pool, tokens, bj, banned, sampled)
+        return (k_pool, v_pool, drawn[seq_of_row]), drawn
 
     (k_pool, v_pool, _), samples = jax.lax.scan(
         body, (k_pool, v_pool, _inputs(b, previous)), jnp.arange(steps))
@@ -170,9 +200,10 @@ class ModelRunner:
         self.k = jnp.zeros(shape, as_dtype(c.dtype))
         self.v = jnp.zeros(shape, as_dtype(c.dtype))
         self.last = jnp.zeros(max_num_seqs, jnp.int32)  # the latest step's samples
-        self._jit = jax.jit(_step, donate_argnums=(1, 2), static_argnums=(5,))
-        self._jit_window = jax.jit(_window, donate_argnums=(1, 2), static_argnums=(5, 6))
-        self._compiled: dict[tuple[str, int], object] = {}
+        self._jit = jax.jit(_step, donate_argnums=(1, 2), static_argnums=(5, 6))
+        self._jit_window = jax.jit(_window, donate_argnums=(1, 2), static_argnums=(5, 6, 7))
+        self._compiled: dict[tuple[str, int, bool], object] = {}
+        self._empty: dict[int, StepBatch] = {}  # the padding batch of each bucket
 
     @property
     def pool_bytes(self) -> int:
@@ -185,57 +216,71 @@ class ModelRunner:
         raise ValueError(f"{n_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
     def empty_batch(self, t: int) -> StepBatch:
-        """A batch of `t` padding tokens and no sequences (a step that changes nothing)."""
-        n, w = self.max_num_seqs, self.max_pages_per_seq
-        return StepBatch(
-            tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-            slots=np.full(t, self.num_pages * self.page_size, np.int32),
-            from_previous=np.full(t, -1, np.int32),
-            block_tables=np.full((n, w), self.num_pages, np.int32),
-            kv_lens=np.zeros(n, np.int32), q_starts=np.zeros(n + 1, np.int32),
-            sample_at=np.zeros(n, np.int32), temperature=np.zeros(n, np.float32),
-            top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
-            seed=np.zeros((n, 2), np.uint32), draw=np.zeros(n, np.int32),
-            banned=np.full((n, MAX_BANNED), self.params.cfg.vocab_size, np.int32),
-            ban_steps=np.zeros(n, np.int32), window=np.zeros(n, np.int32))
+        """A batch of `t` padding tokens and no sequences (a step that changes nothing), its
+        own buffer to fill in (one copy of the bucket's padding batch)."""
+        empty = self._empty.get(t)
+        if empty is None:
+            n, w = self.max_num_seqs, self.max_pages_per_seq
+            fields = dict(
+                tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+                slots=np.full(t, self.num_pages * self.page_size, np.int32),
+                from_previous=np.full(t, -1, np.int32),
+                block_tables=np.full((n, w), self.num_pages, np.int32),
+                kv_lens=np.zeros(n, np.int32), q_starts=np.zeros(n + 1, np.int32),
+                sample_at=np.zeros(n, np.int32), temperature=np.zeros(n, np.float32),
+                top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+                seed=np.zeros((n, 2), np.uint32), draw=np.zeros(n, np.int32),
+                banned=np.full((n, MAX_BANNED), self.params.cfg.vocab_size, np.int32),
+                ban_steps=np.zeros(n, np.int32), window=np.zeros(n, np.int32))
+            buf = np.concatenate([fields[k].view(np.int32).reshape(-1) for k in _ARRAYS])
+            empty = self._empty[t] = unpack(buf, StepBatch(**fields).layout())
+        return unpack(empty.buffer.copy(), empty.layout())
 
-    def _compile(self, key: tuple[str, int]):
-        batch = self.empty_batch(key[1])
+    def _compile(self, key: tuple[str, int, bool]):
+        kind, t, sampled = key
+        batch = self.empty_batch(t)
         buf = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32)
-        args = (self.params, self.k, self.v, self.last, buf, batch.layout())
-        if key[0] == "window":
+        args = (self.params, self.k, self.v, self.last, buf, batch.layout(), sampled)
+        if kind == "window":
             return self._jit_window.lower(*args, self.window_steps).compile()
         return self._jit.lower(*args).compile()
 
     def warm_up(self, threads: int = 4) -> None:
         """Compile the step for every token bucket and the window for every bucket of at most
-        N rows (several at once), then run each once."""
-        keys = [("step", t) for t in self.buckets] + [("window", t) for t in self.window_buckets]
+        N rows, each greedy and sampling (several at once), then run each once."""
+        keys = [(kind, t, sampled) for sampled in (False, True)
+                for kind, buckets in (("step", self.buckets), ("window", self.window_buckets))
+                for t in buckets]
         with ThreadPoolExecutor(max(1, threads)) as pool:
             self._compiled.update(zip(keys, pool.map(self._compile, keys)))
-        for kind, t in keys:  # first runs (allocations, autotuning) before timing starts
-            (self.run_window if kind == "window" else self.run)(self.empty_batch(t))
+        for kind, t, sampled in keys:  # first runs (allocations, autotuning) before timing
+            (self.run_window if kind == "window" else self.run)(self.empty_batch(t), sampled)
         jax.block_until_ready(self.last)
 
-    def _fn(self, key: tuple[str, int]):
+    def _fn(self, kind: str, batch: StepBatch, sampled: bool | None):
+        """The compiled program for the batch: its bucket, and greedy unless a row samples."""
+        if sampled is None:
+            sampled = bool(batch.temperature.any())
+        key = (kind, batch.tokens.shape[0], sampled)
         fn = self._compiled.get(key)
         if fn is None:  # not warmed up (tests): compile on first use
             fn = self._compiled[key] = self._compile(key)
         return fn
 
-    def run(self, batch: StepBatch) -> jax.Array:
+    def run(self, batch: StepBatch, sampled: bool | None = None) -> jax.Array:
         """Dispatch one step (it runs after the steps before it); returns the sampled token
-        of every sequence slot, int32 [N] on the device, also kept as `last`."""
-        fn = self._fn(("step", batch.tokens.shape[0]))
+        of every sequence slot, int32 [N] on the device, also kept as `last`. `sampled`:
+        whether to compile in sampling (default: whether a row has temperature > 0)."""
+        fn = self._fn("step", batch, sampled)
         # the compiled step takes the dynamic arguments only (the layout is baked in)
         self.k, self.v, self.last = fn(self.params, self.k, self.v, self.last, batch.pack())
         return self.last
 
-    def run_window(self, batch: StepBatch) -> jax.Array:
+    def run_window(self, batch: StepBatch, sampled: bool | None = None) -> jax.Array:
         """Dispatch a decode window (every sequence one token row, `batch.window` its steps);
         returns the samples int32 [window_steps, N] on the device; `last` holds each
         sequence's last one."""
-        fn = self._fn(("window", batch.tokens.shape[0]))
+        fn = self._fn("window", batch, sampled)
         self.k, self.v, samples, self.last = fn(self.params, self.k, self.v, self.last,
                                                 batch.pack())
         return samples

@@ -52,23 +52,20 @@ def probabilities(logits, temperature: float = 1.0, top_k: int = 0, top_p: float
 def sample_rows(logits, keys, temperature, top_k, top_p):
     """Per-row options: logits (N, V); keys (N,) typed PRNG keys; temperature, top_p float32
     (N,) and top_k int32 (N,) arrays -> token ids (N,). Rows at temperature 0 are greedy;
-    top_k 0 and top_p 1 are off. A step where every row is greedy skips the sort. Ties at a
-    top-k or top-p threshold are kept."""
+    top_k 0 and top_p 1 are off. Ties at a top-k or top-p threshold are kept. Every row
+    goes through the sort (no device-side branch: see inference/runner.py); a caller whose
+    rows are all greedy takes the argmax instead."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled(_):
-        v = logits.shape[-1]
-        x = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        desc = -jnp.sort(-x, axis=-1)  # (N, V), largest first
-        k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
-        ranks = jnp.arange(v)[None]
-        desc = jnp.where(ranks < k[:, None], desc, MASKED)  # top-k on the sorted copy
-        probs = jax.nn.softmax(desc, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs
-        keep = jnp.sum((before < top_p[:, None]) & (ranks < k[:, None]), axis=-1)  # >= 1
-        threshold = jnp.take_along_axis(desc, (keep - 1)[:, None], axis=-1)
-        x = jnp.where(x < threshold, MASKED, x)
-        drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, x)
-        return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
-
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    v = logits.shape[-1]
+    x = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    desc = -jnp.sort(-x, axis=-1)  # (N, V), largest first
+    k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
+    ranks = jnp.arange(v)[None]
+    desc = jnp.where(ranks < k[:, None], desc, MASKED)  # top-k on the sorted copy
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep = jnp.sum((before < top_p[:, None]) & (ranks < k[:, None]), axis=-1)  # >= 1
+    threshold = jnp.take_along_axis(desc, (keep - 1)[:, None], axis=-1)
+    x = jnp.where(x < threshold, MASKED, x)
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, x)
+    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)

@@ -13,6 +13,12 @@ a decode window (`schedule_window`): each request runs up to k tokens on the dev
 the sample of the one before, with pages reserved for all of them, so the host schedules
 once for k tokens.
 
+A step is scheduled in a time that hardly grows with its decode rows: they are found in one
+pass over the running requests and their pages reserved in one array operation of the
+allocator (`PageAllocator.extend`); only when the free pages do not hold them all does the
+step go row by row, preempting as it must. The step comes out as arrays (`ScheduledStep`),
+the form the engine builds the device batch from.
+
 When a running request needs a page and none is free, the newest running request is
 preempted: its pages are freed and it goes back to the front of the queue with its
 generated tokens kept, to be recomputed (prompt + output) when there is room. Nothing is
@@ -21,6 +27,7 @@ lost, and a request that fits the pool alone always completes.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from collections import deque
 
@@ -41,7 +48,7 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + output
     seq: int | None = None  # the allocator's sequence while it holds pages
-    computed: int = 0  # tokens whose K/V are in its pages
+    computed: int = 0  # tokens whose K/V are in its pages (its sequence's length)
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache (first admission)
     admitted: bool = False
     preemptions: int = 0
@@ -50,9 +57,6 @@ class Request:
     pending: int = 0
     sample_slot: int = -1  # its sequence slot in the step that samples the pending token
     seed_words: tuple[int, int] = (0, 0)  # its sampling seed as two uint32 words
-    table: np.ndarray | None = None  # its block-table row (the engine's), for `table_seq`
-    table_seq: int | None = None
-    table_len: int = 0
 
     def __post_init__(self):
         self.tokens = list(self.prompt) + list(self.output)
@@ -73,18 +77,28 @@ class Request:
         return len(self.output) + self.pending < self.params.max_tokens
 
 
-@dataclasses.dataclass
-class Scheduled:
-    """A request's share of a step: `n` tokens from position `start`, at pool `slots` (an int
-    for one token);
-    `sample`: the step reaches the end of its known tokens, so it draws the next one;
-    `window`: in a decode window, the tokens it runs and draws (n == 1: the first of them)."""
-    request: Request
-    start: int
-    n: int
-    slots: np.ndarray
-    sample: bool
-    window: int = 1
+@dataclasses.dataclass(eq=False)
+class ScheduledStep:
+    """One step's work, a row a request, decode rows first: requests[i] runs counts[i]
+    tokens from position starts[i] of its sequence seqs[i]; their flat pool slots follow
+    one another in `slots` (a decode window: each row's first slot, the rest follow in its
+    block table). sample[i]: the step reaches the end of the request's known tokens, so it
+    draws the next one. windows[i]: in a decode window, the tokens the row runs and draws
+    (its count is 1); 1 in an ordinary step."""
+    requests: list[Request]
+    seqs: np.ndarray  # int64 [n]
+    starts: np.ndarray  # int64 [n]
+    counts: np.ndarray  # int64 [n]
+    slots: np.ndarray  # int32 [sum(counts)]
+    sample: np.ndarray  # bool [n]
+    windows: np.ndarray  # int64 [n]
+    is_window: bool = False
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+_NUMBER = operator.attrgetter("number")
 
 
 class Scheduler:
@@ -118,28 +132,108 @@ class Scheduler:
         return a.num_pages - a.num_free
 
     # ---- one step ----
-    def schedule(self) -> list[Scheduled]:
-        budget, out = self.budget, []
+    def schedule(self) -> ScheduledStep | None:
+        """The next step (None: nothing to run): running requests first, those decoding
+        before those prefilling, oldest first, within the token budget; then waiting ones."""
+        decode, starts, rest = self._split_running()
+        budget = self.budget
+        decode, starts = decode[:budget], starts[:budget]
+        slots = np.zeros(0, np.int32)
+        if decode:
+            try:
+                slots = self.allocator.extend([r.seq for r in decode], 1)
+            except OutOfPagesError:  # not all of them fit: row by row, preempting
+                decode, starts, rest = [], [], decode + rest
+        rows = []  # (request, start, count, slots) of the rows after the decode block
+        budget -= len(decode)
         preemptions = self.preemptions
-        order = sorted(self.running, key=lambda r: (r.to_compute > 1, r.number))
-        for req in order:
+        for req in rest:
             if budget == 0:
                 break
-            if req.seq is None or (req.pending and not req.wants_more):
-                continue  # preempted in this pass, or its pending token is its last
-            n = min(req.to_compute, budget)
-            slots = self._reserve_or_preempt(req, n)
+            if req.seq is None:
+                continue  # preempted in this pass
+            n, start = min(req.to_compute, budget), req.computed
+            slots_n = self._reserve_or_preempt(req, n)
             if self.preemptions != preemptions:  # drop what the preempted had been given
-                kept = [s for s in out if s.request.seq is not None]
-                budget += sum(s.n for s in out) - sum(s.n for s in kept)
-                out = kept
-            if slots is None:  # req itself was preempted: the pool is as full as it gets
+                keep = [r.seq is not None for r in decode]
+                if not all(keep):
+                    mask = np.asarray(keep)
+                    decode = [r for r, k in zip(decode, keep) if k]
+                    starts, slots = [s for s, k in zip(starts, keep) if k], slots[mask]
+                rows = [row for row in rows if row[0].seq is not None]
+                budget = self.budget - len(decode) - sum(row[2] for row in rows)
+            if slots_n is None:  # req itself was preempted: the pool is as full as it gets
                 break
-            out.append(self._scheduled(req, n, slots))
+            rows.append((req, start, n, slots_n))
             budget -= n
-        preempted = self.preemptions != preemptions
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.max_num_seqs):
+        if self.preemptions == preemptions:
+            budget = self._admit(rows, budget)
+        if not decode and not rows:
+            return None
+        return self._step(decode, starts, slots, rows)
+
+    def schedule_window(self, k: int) -> ScheduledStep | None:
+        """A decode window of up to k steps, or None when this step cannot be one: some
+        running request has more than one token to compute, a waiting request could be
+        admitted, or the free pages do not hold every request's window (then `schedule`
+        runs a step, preempting as it must)."""
+        if k < 2 or not self.running or (self.waiting
+                                         and len(self.running) < self.max_num_seqs):
+            return None
+        decode, starts, rest = self._split_running()
+        if rest or not decode:
+            return None
+        windows = np.fromiter((min(k, r.params.max_tokens - len(r.output) - r.pending)
+                               for r in decode), np.int64, len(decode))
+        try:
+            slots = self.allocator.extend([r.seq for r in decode], windows)
+        except OutOfPagesError:
+            return None
+        n = len(decode)
+        return ScheduledStep(decode, np.fromiter((r.seq for r in decode), np.int64, n),
+                             np.asarray(starts, np.int64), np.ones(n, np.int64), slots,
+                             np.ones(n, bool), windows, is_window=True)
+
+    def dispatched(self, step: ScheduledStep) -> None:
+        """The step is on its way: its tokens count as computed (the device runs steps in
+        order), and each sampling request has its tokens pending."""
+        computed = (step.starts + step.counts + step.windows - 1).tolist()
+        for i, (r, c, s, w) in enumerate(zip(step.requests, computed, step.sample.tolist(),
+                                             step.windows.tolist())):
+            r.computed = c
+            if s:
+                r.pending += w
+                r.sample_slot = i
+
+    def register(self, step: ScheduledStep) -> None:
+        """Key the pages the step's requests' known tokens have filled (prefix caching)."""
+        if not self.prefix_caching:
+            return
+        live = [r for r in step.requests if r.seq is not None]
+        a = self.allocator
+        for i in a.unkeyed([r.seq for r in live], [len(r.tokens) for r in live]).tolist():
+            a.register(live[i].seq, live[i].tokens)
+
+    # ---- internals ----
+    def _split_running(self):
+        """The running requests that have a token to run, oldest first: (those decoding,
+        their starts, the others). One whose pending token is its last has none."""
+        decode, starts, rest = [], [], []
+        for r in sorted(self.running, key=_NUMBER):
+            pending = r.pending
+            if pending and len(r.output) + pending >= r.params.max_tokens:
+                continue
+            if len(r.tokens) + pending - r.computed == 1:
+                decode.append(r)
+                starts.append(r.computed)
+            else:
+                rest.append(r)
+        return decode, starts, rest
+
+    def _admit(self, rows: list, budget: int) -> int:
+        """Admit waiting requests, first come first served, while the budget, the sequence
+        limit and the free pages allow; their rows go to `rows`. Returns the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.pending:  # preempted with a token on its way: admit it once it is here
                 break
@@ -160,73 +254,32 @@ class Scheduler:
                 req.cached_tokens, req.admitted = cached, True
             req.seq, req.computed = seq, cached
             self.running.append(req)
-            out.append(self._scheduled(req, n, slots))
+            rows.append((req, cached, n, slots))
             budget -= n
-        return out
+        return budget
 
-    def schedule_window(self, k: int) -> list[Scheduled] | None:
-        """A decode window of up to k steps, or None when this step cannot be one: some
-        running request has more than one token to compute, a waiting request could be
-        admitted, or the free pages do not hold every
-        request's window (then `schedule` runs a step, preempting as it must)."""
-        if k < 2 or not self.running or (self.waiting
-                                         and len(self.running) < self.max_num_seqs):
-            return None
-        rows, pages = [], 0
-        a = self.allocator
-        for req in sorted(self.running, key=lambda r: r.number):
-            if req.pending and not req.wants_more:
-                continue  # its pending token is its last
-            p = req.params
-            done = len(req.output) + req.pending
-            if req.to_compute != 1 or req.seq is None:
-                return None
-            w = min(k, p.max_tokens - done)
-            have = a.length(req.seq)
-            pages += -(-(have + w) // a.page_size) - -(-have // a.page_size)
-            rows.append((req, w))
-        if not rows or pages > a.num_free:
-            return None
-        out = []
-        for req, w in rows:
-            (slots,), copies = a.append([req.seq], [w])
-            assert not copies, "the engine never writes a shared page"
-            out.append(Scheduled(req, req.computed, 1, int(slots[0]), True, w))
-        return out
-
-    def dispatched(self, scheduled: list[Scheduled]) -> None:
-        """The step is on its way: its tokens count as computed (the device runs steps in
-        order), and each sampling request has its tokens pending."""
-        for i, s in enumerate(scheduled):
-            s.request.computed = s.start + s.n + s.window - 1
-            if s.sample:
-                s.request.pending += s.window
-                s.request.sample_slot = i
-
-    def register(self, requests) -> None:
-        """Key the pages the requests' known tokens have filled (prefix caching)."""
-        if self.prefix_caching:
-            for r in requests:
-                if r.seq is not None:
-                    self.allocator.register(r.seq, r.tokens)
-
-    # ---- internals ----
-    def _scheduled(self, req: Request, n: int, slots) -> Scheduled:
-        if n == 1 and not isinstance(slots, int):
-            slots = int(slots[0])
-        return Scheduled(req, req.computed, n, slots,
-                         req.computed + n == req.known and req.wants_more)
+    def _step(self, decode, starts, decode_slots, rows) -> ScheduledStep:
+        requests = decode + [row[0] for row in rows]
+        n = len(requests)
+        counts = np.ones(n, np.int64)
+        counts[len(decode):] = [row[2] for row in rows]
+        starts = np.asarray(starts + [row[1] for row in rows], np.int64)
+        slots = np.concatenate([decode_slots] + [row[3] for row in rows]) if rows else decode_slots
+        sample = np.ones(n, bool)  # a decode row reaches its known tokens' end
+        sample[len(decode):] = [start + cnt == r.known and r.wants_more
+                                for r, start, cnt, _ in rows]
+        return ScheduledStep(requests, np.fromiter((r.seq for r in requests), np.int64, n),
+                             starts, counts, slots.astype(np.int32, copy=False), sample,
+                             np.ones(n, np.int64))
 
     def _reserve_or_preempt(self, req: Request, n: int):
         while True:
             try:
-                if n == 1:
-                    return self.allocator.append_one(req.seq)
                 (slots,), copies = self.allocator.append([req.seq], [n])
                 assert not copies, "the engine never writes a shared page"
                 return slots
             except OutOfPagesError:
-                victim = max(self.running, key=lambda r: r.number)
+                victim = max(self.running, key=_NUMBER)
                 self._preempt(victim)
                 if victim is req:
                     return None
