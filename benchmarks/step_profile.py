@@ -1,6 +1,6 @@
 """Where a jitted step's GPU time goes: its kernels traced and attributed to what they do.
 
-    PYTHONPATH=. python benchmarks/profile.py [--config configs/llama_1b.yaml] [--steps 3]
+    PYTHONPATH=. python benchmarks/step_profile.py [--config configs/llama_1b.yaml] [--steps 3]
         [--top 25] [--trace DIR] [config overrides ...]
 
 Traces --steps calls of the trainer's jitted train step (`train.trainer.make_train_fns`, on
