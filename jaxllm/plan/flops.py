@@ -8,7 +8,8 @@ layer, halved for causal masks. Two training counts are kept apart:
                     (`ModelConfig.flops_per_token`), comparable across codebases
     hardware FLOPs  what the step executes: attention halved for causal, plus the forward
                     the remat policy recomputes ("full": every block again, "dots": the
-                    non-matmul work, which costs no matmul FLOPs, and attention)
+                    non-matmul work, which costs no matmul FLOPs, and attention) and
+                    the one the 1f1b pipeline schedule runs again
 
 N_active counts the parameters one token passes through: every dense layer, and with a
 `model.moe` section only its routed experts (top_k of them) and the shared ones.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import Config, ModelConfig
 
 
 # -- the terms that MoE and MLA change ----------------------------------------------------
@@ -78,8 +79,16 @@ class TrainFlops:
         return self.hardware_per_token * self.tokens_per_step
 
 
-def train_flops(m: ModelConfig, batch: int, seq: int, remat: str | None = None) -> TrainFlops:
-    """Training FLOPs per token and per step of `batch` sequences of `seq` tokens."""
+def pipeline_of(cfg: Config, sizes: dict[str, int]) -> str | None:
+    """The pipeline schedule a config runs on a mesh of `sizes` (None without pp)."""
+    return cfg.parallelism.pp_schedule if sizes["pp"] > 1 else None
+
+
+def train_flops(m: ModelConfig, batch: int, seq: int, remat: str | None = None, *,
+                pipeline: str | None = None) -> TrainFlops:
+    """Training FLOPs per token and per step of `batch` sequences of `seq` tokens
+    (`pipeline`: the schedule with pp > 1; 1f1b runs every stage's forward once more, in
+    its backward tick, before the remat policy's recompute)."""
     remat = remat or m.remat
     n = active_params(m) + head_params(m)
     dqk, dv = attention_dims(m)
@@ -87,6 +96,8 @@ def train_flops(m: ModelConfig, batch: int, seq: int, remat: str | None = None) 
     attn_fwd = attention_flops(m, seq, seq) / seq  # per token
     matmul_fwd = 2 * (n - head_params(m))  # the blocks' matmuls (the head is not rematted)
     recompute = {"none": 0.0, "dots": attn_fwd, "full": matmul_fwd + attn_fwd}[remat]
+    if pipeline == "1f1b":
+        recompute += matmul_fwd + attn_fwd
     hardware = 6 * n + 3 * attn_fwd + recompute
     return TrainFlops(model, hardware, batch * seq)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.plan.comm import Collective, train_collectives
-from jaxllm.plan.flops import TrainFlops, train_flops
+from jaxllm.plan.flops import TrainFlops, pipeline_of, train_flops
 from jaxllm.plan.hardware import Hardware, get_hardware
 from jaxllm.plan.memory import (InferenceMemory, TrainMemory, inference_memory,
                                 kv_bytes_per_token, state_bytes, train_memory)
@@ -132,7 +132,8 @@ def plan(cfg: Config, hardware: str | Hardware = "h200", devices: int = 8, *,
     batches = tuple(sorted(set(int(b) for b in batches)))
     if not batches or batches[0] <= 0:
         raise ValueError(f"batches={batches} must be positive decode batch sizes")
-    return Plan(cfg, hw, devices, sizes, mem, train_flops(m, t.batch_size, t.seq_len), colls,
+    flops = train_flops(m, t.batch_size, t.seq_len, pipeline=pipeline_of(cfg, sizes))
+    return Plan(cfg, hw, devices, sizes, mem, flops, colls,
                 point, prompt, context, prefill_point(cfg, 1, prompt, tp),
                 {b: decode_point(cfg, b, context, tp) for b in batches},
                 inference_memory(cfg, hw.hbm, tp, context), batches, micro)

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from jaxllm.config import Config
-from jaxllm.plan.flops import decode_flops, prefill_flops, train_flops
+from jaxllm.plan.flops import decode_flops, pipeline_of, prefill_flops, train_flops
 from jaxllm.plan.hardware import Hardware
 from jaxllm.plan.memory import DTYPE_BYTES, TrainMemory, inference_memory, weight_bytes
 
@@ -65,7 +65,7 @@ def train_point(cfg: Config, sizes: dict[str, int], mem: TrainMemory, comm_s: fl
     """The training step on one device."""
     m, t = cfg.model, cfg.train
     n = math.prod(sizes.values())
-    fl = train_flops(m, t.batch_size, t.seq_len)
+    fl = train_flops(m, t.batch_size, t.seq_len, pipeline=pipeline_of(cfg, sizes))
     flops = fl.hardware_per_step / n * (1 + bubble_fraction(cfg, sizes["pp"], micro))
     weights = 3 * micro * weight_bytes(m) / (sizes["tp"] * sizes["pp"])
     optimizer = 2 * mem.params + mem.grads + 2 * mem.opt_state  # read all; write p, m, v
