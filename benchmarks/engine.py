@@ -91,7 +91,7 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         slots.append(s[int(n) - 1])
     ones = np.ones(batch, np.int64)
     step = ScheduledStep(requests, np.array([r.seq for r in requests]), lengths - 1, ones,
-                         np.array(slots, np.int32), ones.astype(bool), ones)
+                         np.array(slots, np.int32), -ones, ones.astype(bool), ones)
     b = engine._batch(step)
     run = engine.runner
     for _ in range(3):

@@ -282,9 +282,9 @@ class Engine:
         return s & 0xFFFFFFFF, s >> 32
 
     def _batch(self, step: ScheduledStep) -> StepBatch:
-        """The step's arrays, written with array operations over its rows. Python visits a
-        row for its input tokens only: a decode row's is usually the one the step before
-        samples (taken on the device), a prefill chunk's are known; and visits the sampling
+        """The step's arrays, written with array operations over its rows. Python visits
+        the rows whose input tokens are on the host (prefill chunks; a decode row's is
+        usually the one the step before samples, taken on the device), and the sampling
         options of the rows that sample, if any live request does."""
         n, counts, starts = len(step), step.counts, step.starts
         ends = np.cumsum(counts)
@@ -298,14 +298,13 @@ class Engine:
         b.sample_at[:n] = ends - 1
         b.window[:n] = step.windows
         self.scheduler.allocator.block_tables(step.seqs, out=b.block_tables[:n])
-        # tokens [start, start + count) of each row; the last may be pending (not yet read)
-        requests = step.requests
-        have = np.fromiter((len(r.tokens) for r in requests), np.int64, n)
-        pending = np.flatnonzero(starts + counts > have)
-        b.from_previous[ends[pending] - 1] = [requests[i].sample_slot for i in pending.tolist()]
-        for i in np.flatnonzero(have > starts).tolist():  # rows with known tokens
+        # tokens [start, start + count) of each row, the last one pending where previous >= 0
+        requests, previous = step.requests, step.previous
+        pending = previous >= 0
+        b.from_previous[ends[pending] - 1] = previous[pending]
+        for i in np.flatnonzero(counts > pending).tolist():  # rows with tokens on the host
             s, f = int(starts[i]), int(first[i])
-            known = requests[i].tokens[s:s + int(counts[i])]
+            known = requests[i].tokens[s:s + int(counts[i]) - int(pending[i])]
             b.tokens[f:f + len(known)] = known
         if self._sampling:
             for i in np.flatnonzero(step.sample).tolist():

@@ -82,20 +82,44 @@ class ScheduledStep:
     """One step's work, a row a request, decode rows first: requests[i] runs counts[i]
     tokens from position starts[i] of its sequence seqs[i]; their flat pool slots follow
     one another in `slots` (a decode window: each row's first slot, the rest follow in its
-    block table). sample[i]: the step reaches the end of the request's known tokens, so it
-    draws the next one. windows[i]: in a decode window, the tokens the row runs and draws
-    (its count is 1); 1 in an ordinary step."""
+    block table). previous[i] >= 0: the row's last token is the request's pending one, to
+    be taken from that sequence slot of the previous step's samples (all others are in
+    its `tokens`). sample[i]: the step reaches the end of the request's known tokens, so
+    it draws the next one. windows[i]: in a decode window, the tokens the row runs and
+    draws (its count is 1); 1 in an ordinary step."""
     requests: list[Request]
     seqs: np.ndarray  # int64 [n]
     starts: np.ndarray  # int64 [n]
     counts: np.ndarray  # int64 [n]
     slots: np.ndarray  # int32 [sum(counts)]
+    previous: np.ndarray  # int64 [n]
     sample: np.ndarray  # bool [n]
     windows: np.ndarray  # int64 [n]
     is_window: bool = False
 
     def __len__(self) -> int:
         return len(self.requests)
+
+
+@dataclasses.dataclass
+class _DecodeRows:
+    """The running requests with one token to run, oldest first, as parallel lists (their
+    pool slots once reserved)."""
+    requests: list[Request] = dataclasses.field(default_factory=list)
+    seqs: list[int] = dataclasses.field(default_factory=list)
+    starts: list[int] = dataclasses.field(default_factory=list)
+    previous: list[int] = dataclasses.field(default_factory=list)
+    slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+
+    def take(self, keep) -> "_DecodeRows":
+        """The rows where `keep` (a slice, or booleans a row) holds."""
+        if isinstance(keep, slice):
+            pick = lambda xs: xs[keep]  # noqa: E731
+        else:
+            pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
+        slots = self.slots[keep] if len(self.slots) else self.slots
+        return _DecodeRows(pick(self.requests), pick(self.seqs), pick(self.starts),
+                           pick(self.previous), slots)
 
 
 _NUMBER = operator.attrgetter("number")
@@ -135,17 +159,16 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         """The next step (None: nothing to run): running requests first, those decoding
         before those prefilling, oldest first, within the token budget; then waiting ones."""
-        decode, starts, rest = self._split_running()
+        decode, rest = self._split_running()
         budget = self.budget
-        decode, starts = decode[:budget], starts[:budget]
-        slots = np.zeros(0, np.int32)
-        if decode:
+        decode = decode.take(slice(budget))
+        if decode.requests:
             try:
-                slots = self.allocator.extend([r.seq for r in decode], 1)
+                decode.slots = self.allocator.extend(decode.seqs, 1)
             except OutOfPagesError:  # not all of them fit: row by row, preempting
-                decode, starts, rest = [], [], decode + rest
+                decode, rest = _DecodeRows(), decode.requests + rest
         rows = []  # (request, start, count, slots) of the rows after the decode block
-        budget -= len(decode)
+        budget -= len(decode.requests)
         preemptions = self.preemptions
         for req in rest:
             if budget == 0:
@@ -153,24 +176,22 @@ class Scheduler:
             if req.seq is None:
                 continue  # preempted in this pass
             n, start = min(req.to_compute, budget), req.computed
-            slots_n = self._reserve_or_preempt(req, n)
+            slots = self._reserve_or_preempt(req, n)
             if self.preemptions != preemptions:  # drop what the preempted had been given
-                keep = [r.seq is not None for r in decode]
+                keep = [r.seq is not None for r in decode.requests]
                 if not all(keep):
-                    mask = np.asarray(keep)
-                    decode = [r for r, k in zip(decode, keep) if k]
-                    starts, slots = [s for s, k in zip(starts, keep) if k], slots[mask]
+                    decode = decode.take(np.asarray(keep))
                 rows = [row for row in rows if row[0].seq is not None]
-                budget = self.budget - len(decode) - sum(row[2] for row in rows)
-            if slots_n is None:  # req itself was preempted: the pool is as full as it gets
+                budget = self.budget - len(decode.requests) - sum(row[2] for row in rows)
+            if slots is None:  # req itself was preempted: the pool is as full as it gets
                 break
-            rows.append((req, start, n, slots_n))
+            rows.append((req, start, n, slots))
             budget -= n
         if self.preemptions == preemptions:
             budget = self._admit(rows, budget)
-        if not decode and not rows:
+        if not decode.requests and not rows:
             return None
-        return self._step(decode, starts, slots, rows)
+        return self._step(decode, rows)
 
     def schedule_window(self, k: int) -> ScheduledStep | None:
         """A decode window of up to k steps, or None when this step cannot be one: some
@@ -180,19 +201,18 @@ class Scheduler:
         if k < 2 or not self.running or (self.waiting
                                          and len(self.running) < self.max_num_seqs):
             return None
-        decode, starts, rest = self._split_running()
-        if rest or not decode:
+        decode, rest = self._split_running()
+        if rest or not decode.requests:
             return None
         windows = np.fromiter((min(k, r.params.max_tokens - len(r.output) - r.pending)
-                               for r in decode), np.int64, len(decode))
+                               for r in decode.requests), np.int64, len(decode.requests))
         try:
-            slots = self.allocator.extend([r.seq for r in decode], windows)
+            decode.slots = self.allocator.extend(decode.seqs, windows)
         except OutOfPagesError:
             return None
-        n = len(decode)
-        return ScheduledStep(decode, np.fromiter((r.seq for r in decode), np.int64, n),
-                             np.asarray(starts, np.int64), np.ones(n, np.int64), slots,
-                             np.ones(n, bool), windows, is_window=True)
+        step = self._step(decode, [])
+        step.windows, step.is_window = windows, True
+        return step
 
     def dispatched(self, step: ScheduledStep) -> None:
         """The step is on its way: its tokens count as computed (the device runs steps in
@@ -215,20 +235,24 @@ class Scheduler:
             a.register(live[i].seq, live[i].tokens)
 
     # ---- internals ----
-    def _split_running(self):
+    def _split_running(self) -> tuple[_DecodeRows, list[Request]]:
         """The running requests that have a token to run, oldest first: (those decoding,
-        their starts, the others). One whose pending token is its last has none."""
-        decode, starts, rest = [], [], []
+        the others). One whose pending token is its last has none."""
+        decode, rest = _DecodeRows(), []
+        requests, seqs, starts, previous = (decode.requests, decode.seqs, decode.starts,
+                                            decode.previous)
         for r in sorted(self.running, key=_NUMBER):
             pending = r.pending
             if pending and len(r.output) + pending >= r.params.max_tokens:
                 continue
             if len(r.tokens) + pending - r.computed == 1:
-                decode.append(r)
+                requests.append(r)
+                seqs.append(r.seq)
                 starts.append(r.computed)
+                previous.append(r.sample_slot if pending else -1)  # its one token is pending
             else:
                 rest.append(r)
-        return decode, starts, rest
+        return decode, rest
 
     def _admit(self, rows: list, budget: int) -> int:
         """Admit waiting requests, first come first served, while the budget, the sequence
@@ -258,19 +282,22 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _step(self, decode, starts, decode_slots, rows) -> ScheduledStep:
-        requests = decode + [row[0] for row in rows]
-        n = len(requests)
+    def _step(self, decode: _DecodeRows, rows: list) -> ScheduledStep:
+        """The decode rows, then the others' (request, start, count, slots)."""
+        requests = decode.requests + [row[0] for row in rows]
+        n, d = len(requests), len(decode.requests)
         counts = np.ones(n, np.int64)
-        counts[len(decode):] = [row[2] for row in rows]
-        starts = np.asarray(starts + [row[1] for row in rows], np.int64)
-        slots = np.concatenate([decode_slots] + [row[3] for row in rows]) if rows else decode_slots
+        counts[d:] = [row[2] for row in rows]
+        slots = (np.concatenate([decode.slots] + [row[3] for row in rows]) if rows
+                 else decode.slots)
+        previous = decode.previous + [r.sample_slot if start + cnt > len(r.tokens) else -1
+                                      for r, start, cnt, _ in rows]
         sample = np.ones(n, bool)  # a decode row reaches its known tokens' end
-        sample[len(decode):] = [start + cnt == r.known and r.wants_more
-                                for r, start, cnt, _ in rows]
-        return ScheduledStep(requests, np.fromiter((r.seq for r in requests), np.int64, n),
-                             starts, counts, slots.astype(np.int32, copy=False), sample,
-                             np.ones(n, np.int64))
+        sample[d:] = [start + cnt == r.known and r.wants_more for r, start, cnt, _ in rows]
+        return ScheduledStep(requests, np.asarray(decode.seqs + [r.seq for r, *_ in rows]),
+                             np.asarray(decode.starts + [row[1] for row in rows], np.int64),
+                             counts, slots.astype(np.int32, copy=False),
+                             np.asarray(previous, np.int64), sample, np.ones(n, np.int64))
 
     def _reserve_or_preempt(self, req: Request, n: int):
         while True:

@@ -9,6 +9,7 @@ steps before the first request), and serves the OpenAI API (/v1/completions,
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import socket
 import sys
@@ -91,6 +92,10 @@ def main(argv=None) -> int:
     except ValueError as e:  # a model or pool the engine cannot serve
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # what exists now (the model, the engine's compiled steps) lives as long as the process:
+    # frozen, the garbage collector's full passes, which pause every stream, skip it
+    gc.collect()
+    gc.freeze()
     aeng = AsyncEngine(engine)
     aeng.start()
     try:
