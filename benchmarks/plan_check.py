@@ -6,9 +6,10 @@
 
 --cpu compiles the train step of tiny models (dense, MoE, MLA) on 8 simulated CPU devices
 for every layout of CONFIGS (dp, fsdp, ZeRO 0-3, tp, sequence parallel, cp, ep, pp with
-each schedule; remat none / full / dots; a few batch sizes) and prints the planner's peak bytes per device beside the compiler's
-(`memory_analysis`: arguments + temporaries + outputs not aliased to donated arguments)
-and their ratio. It sets the devices and XLA's fast-compile flag itself.
+each schedule; remat none / full / dots; a few batch sizes) and prints the planner's
+peak bytes per device beside the compiler's (`memory_analysis`: arguments + temporaries
++ outputs not aliased to donated arguments), their ratio, and how many are within 5%.
+It sets the devices and XLA's fast-compile flag itself.
 
 --gpu first measures this device's ceilings (a bf16 8192^3 matmul; an HBM copy, read +
 write bytes) into measured.yaml, then sets the planner's predictions under those ceilings

@@ -7,8 +7,8 @@
 
     hardware.py  datasheet peaks and measured ceilings      flops.py    FLOPs
     memory.py    per-device memory (training, KV cache)     comm.py     collectives per axis
-    roofline.py  intensity and times                        report.py   `plan`, the report
-    plot.py      the figures (`--plot DIR`)
+    activations.py  what the backward reads, by layer kind  report.py   `plan`, the report
+    roofline.py  intensity and times                        plot.py     the figures
 """
 import sys
 import types
