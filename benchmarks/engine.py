@@ -4,6 +4,7 @@ against static batches, prefix caching's TTFT, warm-up and compiles.
     PYTHONPATH=. python benchmarks/engine.py [--config configs/llama_1b.yaml] [--requests 512]
         [--batch 64] [--max-seqs 256] [--profile DIR] [--json PATH] [config overrides ...]
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/engine.py --quick     # smoke test
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/engine.py --quick --host-only --max-seqs 256
 
 The config's model with random weights (speed does not depend on them), bf16 on a GPU.
 - decode step: --batch sequences of ragged contexts (uniform in --context), one new token
@@ -19,6 +20,9 @@ The config's model with random weights (speed does not depend on them), bf16 on 
   and only each request's own output counts). Output tokens/s and median / p99 E2E.
 - prefix caching: --prefix-requests requests sharing a --prefix-len-token prefix, sent one
   after another, with prefix caching on and off: median TTFT.
+- --host-only: the continuous-batching runs alone, through stand-in steps that skip the model
+  (each sample is the sequence's last one + 1), so the engine's counters time the host's work
+  a step (scheduling, the step's arrays, dispatch; outputs) on any machine, e.g. the CPU.
 """
 from __future__ import annotations
 
