@@ -188,7 +188,8 @@ class PageAllocator:
         return -(-length // self.page_size)
 
     def _check(self, seq: int) -> int:
-        if not (0 <= seq < len(self._live) and self._live[seq]):
+        if not (isinstance(seq, (int, np.integer)) and 0 <= seq < len(self._live)
+                and self._live[seq]):
             raise ValueError(f"unknown sequence id {seq}; live ones: {self.sequences}")
         return seq
 

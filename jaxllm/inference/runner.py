@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -245,12 +246,14 @@ class ModelRunner:
             return self._jit_window.lower(*args, self.window_steps).compile()
         return self._jit.lower(*args).compile()
 
-    def warm_up(self, threads: int = 4) -> None:
+    def warm_up(self, threads: int | None = None) -> None:
         """Compile the step for every token bucket and the window for every bucket of at most
-        N rows, each greedy and sampling (several at once), then run each once."""
+        N rows, each greedy and sampling (`threads` at once: default one a core, at most 8),
+        then run each once."""
         keys = [(kind, t, sampled) for sampled in (False, True)
                 for kind, buckets in (("step", self.buckets), ("window", self.window_buckets))
                 for t in buckets]
+        threads = min(8, os.cpu_count() or 1) if threads is None else threads
         with ThreadPoolExecutor(max(1, threads)) as pool:
             self._compiled.update(zip(keys, pool.map(self._compile, keys)))
         for kind, t, sampled in keys:  # first runs (allocations, autotuning) before timing

@@ -13,11 +13,11 @@ a decode window (`schedule_window`): each request runs up to k tokens on the dev
 the sample of the one before, with pages reserved for all of them, so the host schedules
 once for k tokens.
 
-A step is scheduled in a time that hardly grows with its decode rows: they are found in one
-pass over the running requests and their pages reserved in one array operation of the
-allocator (`PageAllocator.extend`); only when the free pages do not hold them all does the
-step go row by row, preempting as it must. The step comes out as arrays (`ScheduledStep`),
-the form the engine builds the device batch from.
+A step's decode rows cost one pass over the running requests and one array operation of the
+allocator, which reserves all their pages at once (`PageAllocator.extend`); only when the
+free pages do not hold them all does the step go row by row, preempting as it must. The
+step comes out as arrays (`ScheduledStep`), the form the engine builds the device batch
+from.
 
 When a running request needs a page and none is free, the newest running request is
 preempted: its pages are freed and it goes back to the front of the queue with its
@@ -33,7 +33,7 @@ from collections import deque
 
 import numpy as np
 
-from jaxllm.inference.cache import OutOfPagesError, PageAllocator
+from jaxllm.inference.pages import OutOfPagesError, PageAllocator
 from jaxllm.inference.prefix_cache import PrefixCachingAllocator
 from jaxllm.inference.requests import SamplingParams
 
