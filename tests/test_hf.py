@@ -72,6 +72,41 @@ def _torch_logits(model, tokens):
         return model(torch.tensor(tokens)).logits.numpy()
 
 
+def _greedy_pair(ref_model, path, prompt) -> tuple[list[int], list[int]]:
+    """(ours, transformers') 20 greedy tokens after `prompt`, ours from the checkpoint at path."""
+    with torch.no_grad():
+        ref = ref_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
+                                 min_new_tokens=20)[0, len(prompt):].tolist()
+    model, cfg = hf.load(path)
+    got, _ = generate_ids(decode_params(model, cfg), [prompt], max_new_tokens=20,
+                          temperature=0.0, warmup=False)
+    return got[0], ref
+
+
+def _check_saved_again(model, cfg, path, ref_model, tokens, ref):
+    """Saved to path: transformers loads ref_model's class with logits `ref`, and we load
+    the same config and bit-identical parameters."""
+    hf.save(model, cfg, path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    assert type(theirs) is type(ref_model)
+    np.testing.assert_allclose(_torch_logits(theirs, tokens), ref, rtol=0, atol=1e-6)
+    back, back_cfg = hf.load(path)
+    assert back_cfg.model == cfg.model
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(back))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _perturbed(cfg, *filters):
+    """A fresh model of cfg with N(0, 0.15) added to its state (of `filters`, default all),
+    so that exports carry non-trivial biases, norm scales and selection biases."""
+    model = jaxllm.build_model(cfg.model, rngs=nnx.Rngs(0))
+    leaves, treedef = jax.tree.flatten(nnx.state(model, *filters))
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    nnx.update(model, jax.tree.unflatten(treedef, [
+        x + 0.15 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    return model
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers(case, tmp_path):
     ref_model = _hf_model(case, tmp_path)
@@ -94,15 +129,8 @@ def test_logits_match_transformers(case, tmp_path):
 @pytest.mark.parametrize("case", ["llama3_scaled", "mistral_window", "qwen2", "qwen3"])
 def test_greedy_generation_matches_transformers(case, tmp_path):
     ref_model = _hf_model(case, tmp_path, seed=2)
-    prompt = _tokens(3, (9,)).tolist()
-    with torch.no_grad():
-        ref = ref_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
-                                 min_new_tokens=20)[0, len(prompt):].tolist()
-    model, cfg = hf.load(tmp_path)
-    params = decode_params(model, cfg)
-    got, _ = generate_ids(params, [prompt], max_new_tokens=20, temperature=0.0,
-                          warmup=False)
-    assert got[0] == ref
+    got, ref = _greedy_pair(ref_model, tmp_path, _tokens(3, (9,)).tolist())
+    assert got == ref
 
 
 # jaxllm-initialised models exported to HF: Llama, Mistral (window) and Qwen2 (biases)
@@ -123,12 +151,7 @@ def test_saved_checkpoint_loads_in_transformers(case, tmp_path):
     cfg = load_config(None, ["model.d_model=64", "model.n_layers=2", "model.n_heads=4",
                              "model.mlp_dim=96", f"model.vocab_size={V}",
                              "model.max_seq_len=128", "train.seq_len=64"] + EXPORTS[case])
-    model = jaxllm.build_model(cfg.model, rngs=nnx.Rngs(0))
-    state = nnx.state(model, nnx.Param)  # random biases and norm scales too
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    nnx.update(model, jax.tree.unflatten(treedef, [
-        x + 0.15 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    model = _perturbed(cfg, nnx.Param)  # random biases and norm scales too
     hf.save(model, cfg, tmp_path)
 
     tokens = _tokens(4, (2, 24))

@@ -12,14 +12,13 @@ import torch
 import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
-from test_hf import _randomize, _tokens, _torch_logits
+from test_hf import (_check_saved_again, _greedy_pair, _perturbed, _randomize, _tokens,
+                     _torch_logits)
 
 import jaxllm
 from jaxllm import hf
 from jaxllm.config import load_config
 from jaxllm.hf import deepseek
-from jaxllm.inference.generate import generate_ids
-from jaxllm.inference.params import decode_params
 
 V = 101
 MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24)
@@ -107,26 +106,13 @@ def test_deepseek_logits_and_round_trip_match_transformers(hf_model, tmp_path, m
             assert np.abs(_logits(hf.load(path)[0], tokens) - ref).max() > 1e-2
 
     # saved again: the same model to transformers (its class, its logits) and to us
-    hf.save(model, cfg, tmp_path)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(theirs) is type(ref_model)
-    np.testing.assert_allclose(_torch_logits(theirs, tokens), ref, rtol=0, atol=1e-6)
-    back, back_cfg = hf.load(tmp_path)
-    assert back_cfg.model == cfg.model
-    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(back))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _check_saved_again(model, cfg, tmp_path, ref_model, tokens, ref)
 
 
 def test_deepseek_greedy_generation_matches_transformers(hf_model):
     _, path, ref_model = hf_model
-    prompt = _tokens(3, (9,)).tolist()
-    with torch.no_grad():
-        ref = ref_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
-                                 min_new_tokens=20)[0, len(prompt):].tolist()
-    model, cfg = hf.load(path)
-    got, _ = generate_ids(decode_params(model, cfg), [prompt], max_new_tokens=20,
-                          temperature=0.0, warmup=False)
-    assert got[0] == ref
+    got, ref = _greedy_pair(ref_model, path, _tokens(3, (9,)).tolist())
+    assert got == ref
     assert len(set(ref)) > 3  # not one token repeated
 
 
@@ -225,12 +211,7 @@ EXPORTS = {
 @pytest.mark.parametrize("case", list(EXPORTS))
 def test_saved_deepseek_loads_in_transformers(case, tmp_path):
     cfg = load_config(None, MODEL + EXPORTS[case])
-    model = jaxllm.build_model(cfg.model, rngs=nnx.Rngs(0))
-    state = nnx.state(model)  # the selection bias too
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    nnx.update(model, jax.tree.unflatten(treedef, [
-        x + 0.15 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    model = _perturbed(cfg)  # the selection bias too
     hf.save(model, cfg, tmp_path)
 
     tokens = _tokens(4, (2, 24))

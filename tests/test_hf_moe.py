@@ -9,13 +9,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from flax import nnx
-from test_hf import _randomize, _tokens, _torch_logits
+from test_hf import _check_saved_again, _greedy_pair, _randomize, _tokens, _torch_logits
 
 from jaxllm import hf
 from jaxllm.config import load_config
-from jaxllm.inference.generate import generate_ids
-from jaxllm.inference.params import decode_params
 
 V = 101
 # name -> (config class, config kwargs): Mixtral with a sliding window; Qwen3-MoE with a
@@ -61,26 +58,13 @@ def test_moe_logits_and_round_trip_match_transformers(hf_model, tmp_path):
     assert np.abs(ref).max() > 1.0  # the comparison is not between near-zero logits
 
     # saved again: the same model to transformers (its family, its logits) and to us
-    hf.save(model, cfg, tmp_path)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(theirs) is type(ref_model)
-    np.testing.assert_allclose(_torch_logits(theirs, tokens), ref, rtol=0, atol=1e-6)
-    back, back_cfg = hf.load(tmp_path)
-    assert back_cfg.model == cfg.model
-    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(back))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _check_saved_again(model, cfg, tmp_path, ref_model, tokens, ref)
 
 
 def test_moe_greedy_generation_matches_transformers(hf_model):
     _, path, ref_model = hf_model
-    prompt = _tokens(3, (9,)).tolist()
-    with torch.no_grad():
-        ref = ref_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
-                                 min_new_tokens=20)[0, len(prompt):].tolist()
-    model, cfg = hf.load(path)
-    got, _ = generate_ids(decode_params(model, cfg), [prompt], max_new_tokens=20,
-                          temperature=0.0, warmup=False)
-    assert got[0] == ref
+    got, ref = _greedy_pair(ref_model, path, _tokens(3, (9,)).tolist())
+    assert got == ref
 
 
 def test_moe_selection_bias_starts_at_zero_and_must_stay_there(hf_model, tmp_path):
