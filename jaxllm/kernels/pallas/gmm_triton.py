@@ -56,14 +56,14 @@ class BlockSizes:
     t_block_k x t_block_n output tiles, steps of t_block_m rows: the d rhs kernel.
     """
     block_m: int = 128
-    block_n: int = 128
+    block_n: int = 256
     block_k: int = 64
     num_warps: int = 8
-    num_stages: int = 4
-    t_block_m: int = 64
+    num_stages: int = 3
+    t_block_m: int = 32
     t_block_k: int = 128
     t_block_n: int = 128
-    t_num_warps: int = 8
+    t_num_warps: int = 4
     t_num_stages: int = 3
 
     def __post_init__(self):
@@ -77,7 +77,8 @@ class BlockSizes:
 
 
 def default_block_sizes(itemsize: int) -> BlockSizes:
-    """The tiles measured on the H200 (benchmarks/grouped_matmul.py) for 2-byte inputs;
+    """The tiles measured fastest on the H200 (benchmarks/grouped_matmul.py --tiles, then the
+    one-GPU MoE train step) for 2-byte inputs;
     4-byte (float32) inputs take half the K step so that the staged tiles fit shared
     memory."""
     return BlockSizes() if itemsize <= 2 else BlockSizes(block_k=32)
