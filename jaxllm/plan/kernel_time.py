@@ -33,12 +33,12 @@ layers, its backward, Adam):
                 inputs and the output's cotangent read, the inputs' cotangents written
     attention   the flash kernel: 2 Hq S^2 (Dqk + Dv) B FLOPs (causal: halved) at
                 `attn_fwd`, its backward 2.5x that at `attn_bwd`
-    stack       remat none: the scan keeps every tensor the backward reads in stacked
-                [L, ...] buffers; fusions write and read them in place, but a library
-                call's output (cuBLAS, cuDNN, Pallas) is copied in (read + write) and a
-                tensor a library call reads in the backward is copied out; under "dots"
-                the same for the matmul outputs, which are what is kept; "full" keeps
-                the block input only
+    stack       the scan keeps what the backward reads (remat none: every intermediate;
+                "dots": the matmul outputs; "full": the block input) in stacked [L, ...]
+                buffers, the bytes of `activations.saved_per_token` (and an MoE layer's
+                `expert_bytes`), each copied in by its own kernel (read + write); the
+                backward's fusions read the stack in place, but a tensor a library call
+                (cuBLAS, cuDNN, Pallas) reads is first copied out (read + write)
     remat       "dots": every kernel but the matmuls runs again in the backward (attention
                 included); "full": the whole block forward again
     MoE         the router matmul (f32 scores) and about ten [T, E] kernels of routing, the
@@ -216,15 +216,17 @@ def _backward(op: Op, c: float, p: float, remat: str) -> list[Kernel]:
     return [Kernel(op.what, launches or op.launches, bytes=b / (launches or op.launches))]
 
 
-def layer_train_kernels(ops: list[Op], c: float, p: float, remat: str) -> list[Kernel]:
-    """One layer's kernels in a training step: forward, the stack's copies, backward and
-    the remat policy's recompute."""
+def layer_train_kernels(ops: list[Op], c: float, p: float, remat: str,
+                        saved: float) -> list[Kernel]:
+    """One layer's kernels in a training step: forward, the stacking of its `saved` bytes
+    (what the backward reads, `activations.py`), backward and the remat policy's
+    recompute."""
     by_name = {o.name: o for o in ops}
     out = []
     for op in ops:
         out += _forward(op, c, p)
-        if remat in op.keep and op.library:  # a library output copied into the stack
-            out.append(Kernel("copy", 1, bytes=2 * op.out))
+    kept = max(1, sum(remat in op.keep for op in ops))  # the scan's stacking: a copy each
+    out.append(Kernel("stack", kept, bytes=2 * saved / kept))
     copied = set()
     for op in reversed(ops):
         out += _backward(op, c, p, remat)
@@ -350,11 +352,17 @@ def train_layer_ops(m: ModelConfig, rows: int, seq: int, tp: int = 1,
     return ops
 
 
-def train_kernels(cfg: Config, rows: int, seq: int, tp: int = 1, layers: int | None = None,
-                  param_count: int | None = None, param_arrays: int | None = None) -> KernelTime:
-    """The kernels of a training step of rows x seq tokens per device (`layers`: of this
-    device's stage; `param_count` / `param_arrays`: the parameters the optimizer updates)."""
+def train_kernels(cfg: Config, rows: int, seq: int, sizes: dict[str, int] | None = None,
+                  layers: int | None = None, param_count: int | None = None,
+                  param_arrays: int | None = None) -> KernelTime:
+    """The kernels of a training step of rows x seq tokens per device of a mesh of
+    `sizes` (default one device; `layers`: of this device's stage; `param_count` /
+    `param_arrays`: the parameters the optimizer updates)."""
+    from jaxllm.plan.activations import expert_bytes, saved_per_token
+
     m = cfg.model
+    sizes = sizes or {"pp": 1, "dp": 1, "fsdp": 1, "ep": 1, "cp": 1, "tp": 1}
+    tp = sizes["tp"]
     c, p = DTYPE_BYTES[m.dtype], DTYPE_BYTES[m.param_dtype]
     remat = m.remat
     L = m.n_layers if layers is None else layers
@@ -363,9 +371,15 @@ def train_kernels(cfg: Config, rows: int, seq: int, tp: int = 1, layers: int | N
     V = m.vocab_size // tp if m.vocab_size % tp == 0 else m.vocab_size
     X = T * d * c
     ks: list[Kernel] = []
+    impl = resolved_attention_impl(m, "gpu")
     for moe, count in ((False, L - n_moe), (True, n_moe)):
         if count:
-            one = layer_train_kernels(train_layer_ops(m, rows, seq, tp, moe), c, p, remat)
+            saved = T * saved_per_token(m, sizes, seq, impl, remat,
+                                        cfg.parallelism.sequence_parallel, moe)
+            if moe and remat != "full":
+                saved += expert_bytes(m, sizes, T, "gpu")[0]
+            one = layer_train_kernels(train_layer_ops(m, rows, seq, tp, moe), c, p, remat,
+                                      saved)
             ks += [Kernel(k.what, k.launches * count, k.flops, k.bytes, k.rate, k.shape)
                    for k in one]
     logits = T * V * 4
@@ -558,7 +572,7 @@ def kernel_plan(cfg: Config, sizes: dict[str, int], batches, prompt: int, contex
     rules = Rules(tuple(sizes.items()), cfg.train.zero_stage, cfg.parallelism.sequence_parallel)
     n_params = state_bytes(cfg, rules).params / DTYPE_BYTES[cfg.model.param_dtype]
     arrays = len(abstract_params(cfg.model))
-    one = train_kernels(cfg, rows, seq, tp, layers, n_params, arrays)
+    one = train_kernels(cfg, rows, seq, sizes, layers, n_params, arrays)
     if micro > 1:  # the optimizer once, the rest per microbatch
         ks = [Kernel(k.what, k.launches * (1 if k.what == "optimizer" else micro), k.flops,
                      k.bytes, k.rate, k.shape) for k in one.kernels]
