@@ -32,7 +32,9 @@ layers, its backward, Adam):
                 reading its inputs and writing its output; backward (non-linear ones): its
                 inputs and the output's cotangent read, the inputs' cotangents written
     attention   the flash kernel: 2 Hq S^2 (Dqk + Dv) B FLOPs (causal: halved) at
-                `attn_fwd`, its backward 2.5x that at `attn_bwd`
+                `attn_fwd`, its backward 2.5x that at `attn_bwd`; the Triton kernel runs
+                head dims padded to powers of two (MLA's 192 as 256: those FLOPs, and
+                the pads of q and k, copies, forward and backward)
     stack       the scan keeps what the backward reads (remat none: every intermediate;
                 "dots": the matmul outputs; "full": the block input) in stacked [L, ...]
                 buffers, the bytes of `activations.saved_per_token` (and an MoE layer's
@@ -265,10 +267,31 @@ def _mlp_ops(T: int, d: int, f: int, c: float, prefix: str = "") -> list[Op]:
             Op(prefix + "residual2", "elementwise", X, ("none",), read=2 * X, bwd=None)]
 
 
-def attention_flops_fwd(m: ModelConfig, batch: int, sq: int, skv: int, hq: int,
-                        causal: bool = True) -> float:
+def flash_impl(m: ModelConfig) -> str:
+    """The flash kernel the model runs on a GPU: model.attention_impl, and for "auto" the
+    Triton kernel where query-key and value dims differ (MLA: cuDNN and the Mosaic
+    kernel take equal dims), else cuDNN (`kernels/registry.py`)."""
+    dqk, dv = attention_head_dims(m)
+    if m.attention_impl != "auto":
+        return m.attention_impl
+    return "pallas_triton" if dqk != dv else resolved_attention_impl(m, "gpu")
+
+
+def attention_head_dims(m: ModelConfig, padded: bool = False) -> tuple[int, int]:
+    """(query-key, value) dims per head; `padded`: as the Triton flash kernel runs them,
+    each raised to a power of two (MLA's 192 to 256)."""
     dqk, dv = ((m.mla.qk_head_dim, m.mla.v_head_dim) if m.mla is not None
                else (m.resolved_head_dim, m.resolved_head_dim))
+    if padded and flash_impl(m) == "pallas_triton":
+        return 1 << (dqk - 1).bit_length(), 1 << (dv - 1).bit_length()
+    return dqk, dv
+
+
+def attention_flops_fwd(m: ModelConfig, batch: int, sq: int, skv: int, hq: int,
+                        causal: bool = True) -> float:
+    """Forward FLOPs of the flash kernel: 2 B Hq Sq Skv (Dqk + Dv), halved when causal, at
+    the head dims the kernel runs (the Triton kernel's padded ones)."""
+    dqk, dv = attention_head_dims(m, padded=True)
     if m.sliding_window is not None:
         skv = min(skv, m.sliding_window)
     f = 2 * batch * hq * sq * skv * (dqk + dv)
@@ -317,14 +340,19 @@ def train_layer_ops(m: ModelConfig, rows: int, seq: int, tp: int = 1,
                 Op("kv_b", "matmul", KV, ("dots",), ("kv_norm",), (T, r, hq * (nope + dv))),
                 Op("k_concat", "elementwise", Kd, ("none",), read=T * hq * nope * c
                    + T * rope * c, bwd=(2 * Kd, 2)),  # the nope part, the broadcast key
-                Op("v_slice", "elementwise", Vd, ("none",), read=Vd, bwd=(2 * Vd, 1)),
-                Op("attention", "attention", Vd, ("none",),
-                   ("rope_q", "k_concat", "v_slice", "self"), read=Q + Kd + Vd, flops=att)]
+                Op("v_slice", "elementwise", Vd, ("none",), read=Vd, bwd=(2 * Vd, 1))]
+        dqk_p = attention_head_dims(m, padded=True)[0]
+        if dqk_p != a.qk_head_dim:  # the Triton kernel pads q and k (and slices dq, dk)
+            Qp = Q * dqk_p / a.qk_head_dim
+            ops.append(Op("attn_pad", "elementwise", 2 * Qp, read=2 * Q, launches=2,
+                          bwd=(4 * (Q + Qp), 4), what="copy"))
+        ops.append(Op("attention", "attention", Vd, ("none",),
+                      ("rope_q", "k_concat", "v_slice", "self"), read=Q + Kd + Vd, flops=att))
         o_in = hq * dv
     ops += [Op("o", "matmul", X, (), ("attention",), (T, o_in, d)),
             Op("residual1", "elementwise", X, ("none",), read=2 * X, bwd=None),
-            Op("norm2", "norm", X, ("none",), read=X,
-               fan=2 + (1 if moe else 0) + (1 if moe and m.moe.num_shared_experts else 0))]
+            Op("norm2", "norm", X, ("none",), read=X,  # read by gate and up; the router,
+               fan=2 if not moe else 2 + 2 * bool(m.moe.num_shared_experts))]  # the dispatch
     if not moe:
         return ops + _mlp_ops(T, d, f, c)
     e = m.moe
@@ -371,7 +399,7 @@ def train_kernels(cfg: Config, rows: int, seq: int, sizes: dict[str, int] | None
     V = m.vocab_size // tp if m.vocab_size % tp == 0 else m.vocab_size
     X = T * d * c
     ks: list[Kernel] = []
-    impl = resolved_attention_impl(m, "gpu")
+    impl = flash_impl(m)
     for moe, count in ((False, L - n_moe), (True, n_moe)):
         if count:
             saved = T * saved_per_token(m, sizes, seq, impl, remat,
@@ -392,8 +420,6 @@ def train_kernels(cfg: Config, rows: int, seq: int, sizes: dict[str, int] | None
            *_forward(head, c, p), *_backward(head, c, p, "full"),
            Kernel("loss", 2, bytes=logits),  # the max pass, the sum-exp and target pass
            Kernel("loss", 1, bytes=logits + T * V * c)]  # softmax - one-hot, compute dtype
-    if m.tie_embeddings:  # the head reads the embedding: no cast of its own beyond it
-        ks = [k for k in ks if not (k.what == "weights" and k.bytes == (p + c) * d * V)]
     n_params = m.num_params() if param_count is None else param_count
     arrays = (9 + 2 * bool(m.moe)) + 3 if param_arrays is None else param_arrays
     ks += [Kernel("optimizer", 2 * arrays, bytes=8 * p * n_params / (2 * arrays))]
@@ -494,9 +520,12 @@ def _mla_layer(m: ModelConfig, B: int, S: int, ctx: int, cache_len: int, c: floa
         K = T * H * a.qk_head_dim * c
         Vb = T * H * dv * c
         ks += [_gemm(T, r, H * nope, c), _ew("elementwise", K + T * H * nope * c, 1),
-               _gemm(T, r, H * dv, c), _ew("elementwise", 2 * Q),  # k, v; q's concatenate
-               Kernel("attention", 1, attention_flops_fwd(m, B, S, S, H), 2 * Q + 2 * Vb,
-                      "attn_fwd")]
+               _gemm(T, r, H * dv, c), _ew("elementwise", 2 * Q)]  # k, v; q's concatenate
+        dqk_p = attention_head_dims(m, padded=True)[0]
+        if dqk_p != a.qk_head_dim:  # the Triton kernel's padded q and k
+            ks.append(_ew("copy", 2 * (Q + K) * (1 + dqk_p / a.qk_head_dim) / 2, 2))
+        ks.append(Kernel("attention", 1, attention_flops_fwd(m, B, S, S, H), 2 * Q + 2 * Vb,
+                         "attn_fwd"))
     else:
         lat = B * cache_len * (r + rope) * c  # the whole buffer: the einsums read it all
         sc = B * H * S * cache_len * 4
@@ -580,8 +609,10 @@ def kernel_plan(cfg: Config, sizes: dict[str, int], batches, prompt: int, contex
     inf = cfg.inference
     cache_len = -(-(prompt + inf.max_new_tokens + inf.decode_chunk) // 64) * 64
     from jaxllm.inference.params import FUSED_ROWS
-    fusable = (cfg.model.mla is None and cfg.model.moe is None and not cfg.model.qkv_bias
-               and not cfg.model.qk_norm and inf.matmul_impl != "xla")
+    from jaxllm.model.layers import rope_magnitude
+    mc = cfg.model  # the fused decode matmuls' conditions (`inference/params.py`)
+    fusable = (mc.mla is None and mc.moe is None and not mc.qkv_bias and not mc.qk_norm
+               and rope_magnitude(mc.rope_scaling) == 1.0 and inf.matmul_impl != "xla")
     return KernelPlan(
         one,
         inference_kernels(cfg, 1, prompt, prompt, prefill=True, tp=tp, cache_len=cache_len),
@@ -589,7 +620,3 @@ def kernel_plan(cfg: Config, sizes: dict[str, int], batches, prompt: int, contex
                               fused=fusable and b <= FUSED_ROWS, cache_len=cache_len)
          for b in batches})
 
-
-def attention_impl(cfg: Config) -> str:
-    """The flash kernel training and prefill run (for the ceilings that go with it)."""
-    return resolved_attention_impl(cfg.model, "gpu")
