@@ -29,8 +29,9 @@ layers, its backward, Adam):
                 the residual stream's gradient) and the scale's column reduction, each
                 reading x and the cotangents of its f consumers: 3 (1 + f) X + 2 X
     elementwise RoPE, SwiGLU, residual adds, concatenates and slices, each one kernel
-                reading its inputs and writing its output; backward (non-linear ones): its
-                inputs and the output's cotangent read, the inputs' cotangents written
+                reading its inputs and writing its output; backward: its inputs and the
+                output's cotangent read, the inputs' cotangents written (RoPE, linear: the
+                cotangent alone; a residual add none, its cotangent flows on)
     attention   the flash kernel: 2 Hq S^2 (Dqk + Dv) B FLOPs (causal: halved) at
                 `attn_fwd`, its backward 2.5x that at `attn_bwd`; the Triton kernel runs
                 head dims padded to powers of two (MLA's 192 as 256: those FLOPs, and
@@ -460,13 +461,14 @@ def _ffn_kernels(m: ModelConfig, T: int, c: float, tp: int, moe: bool) -> list[K
         fe, R = e.expert_mlp_dim, T * e.top_k
         TE = T * e.num_experts * 4
         g = touched_experts(m, T)
+        w = g * d * fe  # the chosen experts' weights of one projection
         ks += [_gemm(T, d, e.num_experts, c, out_bytes=TE),
                _ew("routing", ROUTING_KERNELS * 2 * TE, ROUTING_KERNELS),
                _ew("sort", 2 * SORT_KERNELS * 2 * R * 4 + 2 * R * 4, 2 * SORT_KERNELS + 2),
                _ew("dispatch", 2 * R * d * c),
-               Kernel("grouped matmul", 2, 2 * R * d * fe, c * (R * d + g * d * fe + R * fe), "gmm"),
+               Kernel("grouped matmul", 2, 2 * R * d * fe, c * (R * d + w + R * fe), "gmm"),
                _ew("elementwise", 3 * R * fe * c),
-               Kernel("grouped matmul", 1, 2 * R * d * fe, c * (R * fe + g * d * fe + R * d), "gmm"),
+               Kernel("grouped matmul", 1, 2 * R * d * fe, c * (R * fe + w + R * d), "gmm"),
                _ew("dispatch", 2 * R * d * c + R * d * c + X, 2)]  # gather back, weighted sum
         f = e.num_shared_experts * fe
         if f:
