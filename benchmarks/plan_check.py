@@ -14,7 +14,7 @@ It sets the devices and XLA's fast-compile flag itself.
 --gpu first measures this device's ceilings into measured.yaml (a bf16 8192^3 matmul; an
 HBM copy, read + write bytes; the fixed cost of a kernel; the config's flash attention
 forward and backward at its training shape; with MoE the grouped matmul at its experts'
-shape; every matmul shape of the per-kernel model taking at least 20 us), then sets the
+shape; every matmul shape of the per-kernel model taking at least 5 us), then sets the
 planner's predictions under those ceilings, the roofline's and the per-kernel model's
 (`jaxllm/plan/kernel_time.py`), beside the measured figures for --config on one GPU: the
 train step's peak memory (its `memory_analysis()`) and time (the trainer's jitted step on
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -139,10 +140,10 @@ def cpu_sweep(names: list[str]) -> list[dict]:
     return rows
 
 
-def _matmul_shapes(kernel_plan, hw, min_s: float = 20e-6) -> list[tuple[int, int, int]]:
+def _matmul_shapes(kernel_plan, hw, min_s: float = 5e-6) -> list[tuple[int, int, int]]:
     """The (m, k, n) of the plan's matmuls that take at least `min_s` at the peak: those
     whose rate the kernel model reads from a measurement (the smaller are bound by their
-    bytes and fixed cost, and a timed call of one alone would time its dispatch)."""
+    bytes and fixed cost)."""
     kts = [kernel_plan.train, kernel_plan.prefill, *kernel_plan.decode.values()]
     return sorted({k.shape for kt in kts for k in kt.kernels
                    if k.rate == "matmul" and k.shape and k.flops / hw.flops >= min_s})
@@ -151,8 +152,8 @@ def _matmul_shapes(kernel_plan, hw, min_s: float = 20e-6) -> list[tuple[int, int
 def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
                      copy_bytes: int = 4 << 30, chain: tuple[int, int] = (64, 320)) -> dict:
     """This device's ceilings into `path` (device 0): a bf16 n^3 matmul's FLOP/s, an HBM
-    copy's bytes/s (read + write), the fixed cost of a kernel (`kernel_s`: a chain of tiny
-    kernels that cannot fuse, the longer chain's extra time per extra kernel), and with
+    copy's bytes/s (read + write), the fixed cost of a kernel (`kernel_s`, `_kernel_cost`),
+    and with
     `cfg` the flash attention kernel's forward and backward FLOP/s at its training shape
     (the config's attention_impl), the grouped matmul's (forward + backward) at its
     experts' shape, and the FLOP/s of each matmul shape of `shapes`."""
@@ -168,24 +169,12 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
     cp = time_fn(jax.jit(lambda v: v + 1), x)
     out = {"flops": 2 * n**3 / mm, "hbm_bw": 2 * x.nbytes / cp}
     del a, x
-
-    def tiny_chain(k):
-        def f(v):
-            for _ in range(k):  # one kernel each: the barrier keeps XLA from fusing them
-                v = jax.lax.optimization_barrier(v * 1.0001 + 1.0)
-            return v
-        return jax.jit(f)
-    v = jnp.ones((1024,), jnp.float32)
-    short, long_ = (time_fn(tiny_chain(k), v, target_s=0.2) for k in chain)
-    out["kernel_s"] = max((long_ - short) / (chain[1] - chain[0]), 1e-8)
+    out["kernel_s"] = _kernel_cost(chain)
     if cfg is not None:
         out.update(_attention_rates(cfg))
         if cfg.model.moe is not None:
             out["gmm_flops"] = _gmm_rate(cfg)
-    rates = {}
-    for m, k, nn in shapes:
-        lhs, rhs = jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, nn), jnp.bfloat16)
-        rates[f"{m}x{k}x{nn}"] = 2 * m * k * nn / time_fn(jax.jit(jnp.matmul), lhs, rhs)
+    rates = {f"{m}x{k}x{nn}": _matmul_rate(m, k, nn) for m, k, nn in shapes}
     if rates:
         out["matmul_shapes"] = rates
     save_measured(path, base, **out)
@@ -196,6 +185,66 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
           + (f"; {len(rates)} matmul shapes, {min(rates.values()) / 1e12:.0f}-"
              f"{max(rates.values()) / 1e12:.0f} TFLOP/s" if rates else ""))
     return out
+
+
+NOT_KERNELS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+
+
+def _kernels_of(compiled_text: str) -> int:
+    """Kernels a compiled program launches, about: the instructions of its entry
+    computation that are not parameters, constants, tuples or bitcasts (fusions, library
+    calls, copies, ...)."""
+    entry = compiled_text[compiled_text.index("\nENTRY"):]
+    ops = re.findall(r"= \S+ ([\w-]+)\(", entry)
+    return sum(op not in NOT_KERNELS for op in ops)
+
+
+def _kernel_cost(chain: tuple[int, int]) -> float:
+    """The fixed cost of a kernel: two chains of tiny dependent steps (a sum, then a
+    scale by it: reductions and elementwise kernels of 4 KiB), the longer one's extra
+    time over its extra kernels, counted in the compiled programs (XLA fuses as it will)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import time_fn
+
+    def program(steps):
+        def f(v):
+            for _ in range(steps):
+                v = v * (1.0 + 1e-9 * jnp.sum(v))
+            return v
+        return jax.jit(f)
+    v = jnp.ones((1024,), jnp.float32)
+    times, kernels = [], []
+    for steps in chain:
+        fn = program(steps)
+        kernels.append(_kernels_of(fn.lower(v).compile().as_text()))
+        times.append(time_fn(fn, v, target_s=0.2))
+    return max((times[1] - times[0]) / max(kernels[1] - kernels[0], 1), 1e-8)
+
+
+def _matmul_rate(m: int, k: int, n: int, reps: tuple[int, int] = (2, 10)) -> float:
+    """FLOP/s of a bf16 [m, k] x [k, n] matmul. Above 1 TFLOP a call timed alone; below,
+    the extra time of a program of more such matmuls per extra matmul, so that a call's
+    dispatch does not count (each matmul on operands of its own, as a model's are: no
+    operand shared for XLA to merge them by, none cached from the previous one)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import time_fn
+
+    flops = 2 * m * k * n
+    if flops > 1e12:
+        lhs, rhs = jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16)
+        return flops / time_fn(jax.jit(jnp.matmul), lhs, rhs)
+
+    def program(count):
+        args = [jnp.full(shape, 1.0 + i, jnp.bfloat16)
+                for i in range(count) for shape in ((m, k), (k, n))]
+        f = jax.jit(lambda *ab: [a @ b for a, b in zip(ab[::2], ab[1::2])])
+        return time_fn(f, *args, target_s=0.1)
+    short, long_ = (program(r) for r in reps)
+    return flops * (reps[1] - reps[0]) / max(long_ - short, 1e-9)
 
 
 def _attention_rates(cfg) -> dict:
