@@ -11,16 +11,22 @@ peak bytes per device beside the compiler's (`memory_analysis`: arguments + temp
 + outputs not aliased to donated arguments), their ratio, and how many are within 5%.
 It sets the devices and XLA's fast-compile flag itself.
 
---gpu first measures this device's ceilings (a bf16 8192^3 matmul; an HBM copy, read +
-write bytes) into measured.yaml, then sets the planner's predictions under those ceilings
-beside the measured figures for --config on one GPU: the train step's peak memory (its
-`memory_analysis()`) and time (the trainer's jitted step on random tokens), TTFT for the --prompt-len prompt and TPOT at batches 1, 32, 64
-(`jaxllm.inference.generate.generate_ids`, greedy, --new-tokens tokens).
+--gpu first measures this device's ceilings into measured.yaml (a bf16 8192^3 matmul; an
+HBM copy, read + write bytes; the fixed cost of a kernel; the config's flash attention
+forward and backward at its training shape; with MoE the grouped matmul at its experts'
+shape; every matmul shape of the per-kernel model taking at least 5 us), then sets the
+planner's predictions under those ceilings, the roofline's and the per-kernel model's
+(`jaxllm/plan/kernel_time.py`), beside the measured figures for --config on one GPU: the
+train step's peak memory (its `memory_analysis()`) and time (the trainer's jitted step on
+random tokens), TTFT for the --prompt-len prompt and TPOT at batches 1, 32, 64
+(`jaxllm.inference.generate.generate_ids`, greedy, --new-tokens tokens, decode chunks of
+32), with the ratios measured / kernel model and measured / roofline.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -134,8 +140,23 @@ def cpu_sweep(names: list[str]) -> list[dict]:
     return rows
 
 
-def measure_ceilings(path: str, base: str, n: int = 8192, copy_bytes: int = 4 << 30) -> None:
-    """A bf16 n^3 matmul's FLOP/s and an HBM copy's bytes/s (read + write) on device 0."""
+def _matmul_shapes(kernel_plan, hw, min_s: float = 5e-6) -> list[tuple[int, int, int]]:
+    """The (m, k, n) of the plan's matmuls that take at least `min_s` at the peak: those
+    whose rate the kernel model reads from a measurement (the smaller are bound by their
+    bytes and fixed cost)."""
+    kts = [kernel_plan.train, kernel_plan.prefill, *kernel_plan.decode.values()]
+    return sorted({k.shape for kt in kts for k in kt.kernels
+                   if k.rate == "matmul" and k.shape and k.flops / hw.flops >= min_s})
+
+
+def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
+                     copy_bytes: int = 4 << 30, chain: tuple[int, int] = (64, 320)) -> dict:
+    """This device's ceilings into `path` (device 0): a bf16 n^3 matmul's FLOP/s, an HBM
+    copy's bytes/s (read + write), the fixed cost of a kernel (`kernel_s`, `_kernel_cost`),
+    and with
+    `cfg` the flash attention kernel's forward and backward FLOP/s at its training shape
+    (the config's attention_impl), the grouped matmul's (forward + backward) at its
+    experts' shape, and the FLOP/s of each matmul shape of `shapes`."""
     import jax
     import jax.numpy as jnp
 
@@ -146,9 +167,143 @@ def measure_ceilings(path: str, base: str, n: int = 8192, copy_bytes: int = 4 <<
     mm = time_fn(jax.jit(lambda x, y: x @ y), a, a)
     x = jnp.ones((copy_bytes // 4,), jnp.float32)
     cp = time_fn(jax.jit(lambda v: v + 1), x)
-    save_measured(path, base, flops=2 * n**3 / mm, hbm_bw=2 * x.nbytes / cp)
-    print(f"measured ceilings -> {path}: {2 * n**3 / mm / 1e12:.0f} TFLOP/s, "
-          f"{2 * x.nbytes / cp / 1e12:.2f} TB/s")
+    out = {"flops": 2 * n**3 / mm, "hbm_bw": 2 * x.nbytes / cp}
+    del a, x
+    out["kernel_s"] = _kernel_cost(chain)
+    if cfg is not None:
+        out.update(_attention_rates(cfg))
+        if cfg.model.moe is not None:
+            out["gmm_flops"] = _gmm_rate(cfg)
+    rates = {f"{m}x{k}x{nn}": _matmul_rate(m, k, nn) for m, k, nn in shapes}
+    if rates:
+        out["matmul_shapes"] = rates
+    save_measured(path, base, **out)
+    print(f"measured ceilings -> {path}: {out['flops'] / 1e12:.0f} TFLOP/s, "
+          f"{out['hbm_bw'] / 1e12:.2f} TB/s, {out['kernel_s'] * 1e6:.2f} us a kernel"
+          + "".join(f", {k} {out[k] / 1e12:.0f} TFLOP/s"
+                    for k in ("attn_fwd", "attn_bwd", "gmm_flops") if k in out)
+          + (f"; {len(rates)} matmul shapes, {min(rates.values()) / 1e12:.0f}-"
+             f"{max(rates.values()) / 1e12:.0f} TFLOP/s" if rates else ""))
+    return out
+
+
+NOT_KERNELS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+
+
+def _kernels_of(compiled_text: str) -> int:
+    """Kernels a compiled program launches, about: the instructions of its entry
+    computation that are not parameters, constants, tuples or bitcasts (fusions, library
+    calls, copies, ...)."""
+    entry = compiled_text[compiled_text.index("\nENTRY"):]
+    ops = re.findall(r"= \S+ ([\w-]+)\(", entry)
+    return sum(op not in NOT_KERNELS for op in ops)
+
+
+def _kernel_cost(chain: tuple[int, int]) -> float:
+    """The fixed cost of a kernel: two chains of tiny dependent steps (a sum, then a
+    scale by it: reductions and elementwise kernels of 4 KiB), the longer one's extra
+    time over its extra kernels, counted in the compiled programs (XLA fuses as it will)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import time_fn
+
+    def program(steps):
+        def f(v):
+            for _ in range(steps):
+                v = v * (1.0 + 1e-9 * jnp.sum(v))
+            return v
+        return jax.jit(f)
+    v = jnp.ones((1024,), jnp.float32)
+    times, kernels = [], []
+    for steps in chain:
+        fn = program(steps)
+        kernels.append(_kernels_of(fn.lower(v).compile().as_text()))
+        times.append(time_fn(fn, v, target_s=0.2))
+    return max((times[1] - times[0]) / max(kernels[1] - kernels[0], 1), 1e-8)
+
+
+def _matmul_rate(m: int, k: int, n: int, reps: tuple[int, int] = (2, 10)) -> float:
+    """FLOP/s of a bf16 [m, k] x [k, n] matmul. Above 1 TFLOP a call timed alone; below,
+    the extra time of a program of more such matmuls per extra matmul, so that a call's
+    dispatch does not count (each matmul on operands of its own, as a model's are: no
+    operand shared for XLA to merge them by, none cached from the previous one)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import time_fn
+
+    flops = 2 * m * k * n
+    if flops > 1e12:
+        lhs, rhs = jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16)
+        return flops / time_fn(jax.jit(jnp.matmul), lhs, rhs)
+
+    def program(count):
+        args = [jnp.full(shape, 1.0 + i, jnp.bfloat16)
+                for i in range(count) for shape in ((m, k), (k, n))]
+        f = jax.jit(lambda *ab: [a @ b for a, b in zip(ab[::2], ab[1::2])])
+        return time_fn(f, *args, target_s=0.1)
+    short, long_ = (program(r) for r in reps)
+    return flops * (reps[1] - reps[0]) / max(long_ - short, 1e-9)
+
+
+def _attention_rates(cfg) -> dict:
+    """The flash kernel (model.attention_impl) at the training shape: forward FLOP/s, and
+    the backward's 2.5x-forward FLOPs over the time fwd+bwd takes beyond the forward."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import time_fn
+    from jaxllm.kernels import flash_attention
+    from jaxllm.plan.kernel_time import attention_flops_fwd
+
+    m, t = cfg.model, cfg.train
+    dqk, dv = ((m.mla.qk_head_dim, m.mla.v_head_dim) if m.mla is not None
+               else (m.resolved_head_dim, m.resolved_head_dim))
+    hkv = m.n_heads if m.mla is not None else m.n_kv_heads
+    keys = jax.random.split(jax.random.key(0), 3)
+    b, s = t.batch_size, t.seq_len
+    q = jax.random.normal(keys[0], (b, s, m.n_heads, dqk), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, s, hkv, dqk), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, s, hkv, dv), jnp.bfloat16)
+    attn = lambda q, k, v: flash_attention(q, k, v, causal=True, impl=m.attention_impl)
+    fwd = time_fn(jax.jit(attn), q, k, v)
+    loss = lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum()
+    both = time_fn(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v)
+    f = attention_flops_fwd(m, b, s, s, m.n_heads)
+    return {"attn_fwd": f / fwd, "attn_bwd": 2.5 * f / max(both - fwd, 1e-9)}
+
+
+def _gmm_rate(cfg) -> float:
+    """The grouped matmul at an MoE layer's shape (its tokens x top_k rows in balanced
+    groups, d x expert width): FLOP/s of forward + backward (3x the forward's FLOPs)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import time_fn
+    from jaxllm.kernels import grouped_matmul
+
+    m, t = cfg.model, cfg.train
+    e = m.moe
+    rows = t.batch_size * t.seq_len * e.top_k
+    rows -= rows % e.num_experts
+    lhs = jax.random.normal(jax.random.key(0), (rows, m.d_model), jnp.bfloat16)
+    rhs = jax.random.normal(jax.random.key(1), (e.num_experts, m.d_model, e.expert_mlp_dim),
+                            jnp.bfloat16)
+    sizes = jnp.full((e.num_experts,), rows // e.num_experts, jnp.int32)
+    loss = lambda a, w: grouped_matmul(a, w, sizes).astype(jnp.float32).sum()
+    sec = time_fn(jax.jit(jax.grad(loss, argnums=(0, 1))), lhs, rhs)
+    return 3 * 2 * rows * m.d_model * e.expert_mlp_dim / sec
+
+
+COLUMNS = ["what", "roofline", "kernel model", "measured", "measured / kernel",
+           "measured / roofline", "bound"]
+
+
+def _row(what: str, roofline: float, kernel: float, measured: float, bound: str) -> dict:
+    return {"what": what, "roofline": roofline, "kernel model": kernel, "measured": measured,
+            "measured / kernel": measured / kernel, "measured / roofline": measured / roofline,
+            "bound": bound}
 
 
 def gpu_check(args) -> list[dict]:
@@ -160,7 +315,7 @@ def gpu_check(args) -> list[dict]:
     from jaxllm import build_model, load_config
     from jaxllm.inference.generate import generate_ids
     from jaxllm.inference.params import decode_params
-    from jaxllm.plan import plan
+    from jaxllm.plan import get_hardware, plan
     from jaxllm.plan.memory import compiled_peak
     from jaxllm.sharding.memory import step_memory
     from jaxllm.train.trainer import init_state, sharding_plan
@@ -170,12 +325,17 @@ def gpu_check(args) -> list[dict]:
             "configs/tiny.yaml", [1, 2], 32, 16)
         args.overrides = ["model.n_layers=2", "train.batch_size=4", "train.seq_len=64",
                           *args.overrides]
-    measure_ceilings(args.measured, args.hardware, *((512, 1 << 24) if args.quick else ()))
+    chunk = 32  # the decode chunk generate_ids runs below
     cfg = load_config(args.config, ["parallelism.dp=1", "checkpoint.enabled=false",
                                     f"inference.max_new_tokens={args.new_tokens}",
-                                    *args.overrides])
-    p = plan(cfg, args.hardware, 1, measured=args.measured, batches=args.batches,
-             prompt_len=args.prompt_len, platform=jax.devices()[0].platform)
+                                    f"inference.decode_chunk={chunk}", *args.overrides])
+    platform = jax.devices()[0].platform
+    plan_args = dict(batches=args.batches, prompt_len=args.prompt_len, platform=platform)
+    shapes = _matmul_shapes(plan(cfg, args.hardware, 1, **plan_args).kernels,
+                            get_hardware(args.hardware))
+    measure_ceilings(args.measured, args.hardware, cfg, shapes,
+                     *((512, 1 << 24) if args.quick else ()))
+    p = plan(cfg, args.hardware, 1, measured=args.measured, **plan_args)
     rows = []
 
     # the train step, as the trainer runs it, on random tokens
@@ -183,8 +343,8 @@ def gpu_check(args) -> list[dict]:
     _, params, opt_state, fns = init_state(cfg, splan)
     peak = compiled_peak(step_memory(fns.step, splan, fns.tx))
     rows.append({"what": "train step peak memory (GiB)",
-                 "planned": p.train_memory.total / 2**30, "measured": peak / 2**30,
-                 "measured / planned": peak / p.train_memory.total})
+                 "roofline": p.train_memory.total / 2**30, "measured": peak / 2**30,
+                 "measured / roofline": peak / p.train_memory.total})
     rng = np.random.default_rng(0)
     t = cfg.train
     tok = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1))
@@ -195,29 +355,27 @@ def gpu_check(args) -> list[dict]:
         state[0], state[1], metrics = fns.step(state[0], state[1], batch)
         return metrics["loss"]
     measured_step = time_fn(step, target_s=0.5, batches=3)
-    rows.append({"what": "train step (ms)", "planned": 1e3 * p.step_s,
-                 "measured": 1e3 * measured_step, "measured / planned":
-                 measured_step / p.step_s, "bound": p.bound})
+    rows.append(_row("train step (ms)", 1e3 * p.step_s, 1e3 * p.kernel_step_s,
+                     1e3 * measured_step, p.bound))
     del state, params, opt_state, fns
 
     model = build_model(cfg.model, rngs=nnx.Rngs(0))
     dparams = decode_params(model, cfg)
-    opts = dict(max_new_tokens=args.new_tokens, temperature=0.0, eos_id=None, chunk=32)
+    opts = dict(max_new_tokens=args.new_tokens, temperature=0.0, eos_id=None, chunk=chunk)
     for b in args.batches:
         prompts = rng.integers(0, min(256, cfg.model.vocab_size), (b, p.prompt_len)).tolist()
         generate_ids(dparams, prompts, warmup=True, **opts)
         timings = generate_ids(dparams, prompts, warmup=False, **opts)[1]
         if b == args.batches[0]:
-            rows.append({"what": f"TTFT (ms) B={b}, prompt {p.prompt_len}",
-                         "planned": 1e3 * p.ttft_s, "measured": 1e3 * timings["ttft_s"],
-                         "measured / planned": timings["ttft_s"] / p.ttft_s,
-                         "bound": p.prefill.bound(p.hardware)})
-        rows.append({"what": f"TPOT (ms) B={b}, context {p.context}",
-                     "planned": 1e3 * p.tpot_s[b], "measured": 1e3 * timings["tpot_s"],
-                     "measured / planned": timings["tpot_s"] / p.tpot_s[b],
-                     "bound": p.decode[b].bound(p.hardware)})
+            rows.append(_row(f"TTFT (ms) B={b}, prompt {p.prompt_len}", 1e3 * p.ttft_s,
+                             1e3 * p.kernel_ttft_s, 1e3 * timings["ttft_s"],
+                             p.prefill.bound(p.hardware)))
+        rows.append(_row(f"TPOT (ms) B={b}, context {p.context}", 1e3 * p.tpot_s[b],
+                         1e3 * p.kernel_tpot_s[b], 1e3 * timings["tpot_s"],
+                         p.decode[b].bound(p.hardware)))
         print(rows[-1], flush=True)
-    print_table(rows, title=f"planner ({p.hardware.name}) vs measured: {args.config}")
+    print_table(rows, COLUMNS, title=f"planner ({p.hardware.name}): roofline and per-kernel "
+                                     f"model vs measured: {args.config}")
     return rows
 
 

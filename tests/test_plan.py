@@ -7,11 +7,13 @@ what XLA allocates.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxllm.config import load_config
@@ -115,3 +117,105 @@ def test_plots_are_written(tmp_path):
     for png in pngs:  # a real PNG each, not an empty file
         data = png.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# -- the per-kernel time model ----------------------------------------------------------------
+
+def test_kernel_model_sits_above_the_roofline_and_grows_with_batch():
+    """Each workload's kernel time is at least its roofline time (the kernels add up, each
+    at most as fast as the step's best ceiling) and at least its launches' fixed cost;
+    decode steps take longer with more rows (more K/V, wider matmuls, the same kernels)."""
+    for path, over in [("configs/llama_1b.yaml", []),
+                       ("configs/deepseek_moe_1gpu.yaml", ["model.remat=full"]),
+                       ("configs/deepseek_mla_1gpu.yaml", [])]:
+        cfg = load_config(path, ["parallelism.dp=1", *over])
+        p = plan(cfg, "h200", 1, batches=[1, 8, 32, 64], prompt_len=1024)
+        hw = p.hardware
+        assert p.kernel_step_s >= p.step_s, path
+        assert p.kernel_ttft_s >= p.ttft_s, path
+        tpot = [p.kernel_tpot_s[b] for b in p.batches]
+        assert all(k >= r for k, r in zip(tpot, p.tpot_s.values())), path
+        assert tpot == sorted(tpot) and tpot[0] < tpot[-1], (path, tpot)
+        for kt in (p.kernels.train, p.kernels.prefill, *p.kernels.decode.values()):
+            assert kt.seconds(hw) >= kt.launches * hw.kernel_s
+        # a faster fixed cost only takes the launches' share off
+        fast = dataclasses.replace(hw, kernel_s=0.0)
+        gap = p.kernels.train.seconds(hw) - p.kernels.train.seconds(fast)
+        assert gap == pytest.approx(p.kernels.train.launches * hw.kernel_s)
+
+
+def test_kernel_model_train_flops_and_optimizer_bytes():
+    """The training kernels' matmul FLOPs are 6 x the matrices' parameters x tokens (no
+    remat) and grow by one forward of the blocks under full remat; attention runs 3.5x
+    its causal forward; the optimizer moves 8 parameter-dtype bytes per parameter."""
+    from jaxllm.plan.kernel_time import train_kernels
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        L, d, hkv = int(rng.integers(1, 5)), 64 * int(rng.integers(1, 4)), int(rng.integers(1, 3))
+        hq, f, V = 2 * hkv, 32 * int(rng.integers(2, 9)), int(rng.integers(100, 500))
+        rows, seq = int(rng.integers(1, 5)), 16 * int(rng.integers(1, 9))
+        cfg = load_config("configs/tiny.yaml", [f"model.n_layers={L}", f"model.d_model={d}",
+                                                f"model.n_heads={hq}", f"model.n_kv_heads={hkv}",
+                                                f"model.mlp_dim={f}", f"model.vocab_size={V}",
+                                                "model.dtype=bfloat16"])
+        D, T = d // hq, rows * seq
+        matrices = L * (d * (hq + 2 * hkv) * D + hq * D * d + 3 * d * f) + d * V
+        kt = train_kernels(cfg, rows, seq)
+        mm = sum(k.launches * k.flops for k in kt.kernels if k.what == "matmul")
+        assert mm == pytest.approx(6 * matrices * T)
+        att = sum(k.launches * k.flops for k in kt.kernels if k.what == "attention")
+        assert att == pytest.approx(3.5 * L * rows * 2 * hq * seq * seq * 2 * D / 2)
+        opt = sum(k.launches * k.bytes for k in kt.kernels if k.what == "optimizer")
+        assert opt == pytest.approx(8 * 4 * cfg.model.num_params())
+        full = load_config("configs/tiny.yaml", [f"model.n_layers={L}", f"model.d_model={d}",
+                                                 f"model.n_heads={hq}", f"model.n_kv_heads={hkv}",
+                                                 f"model.mlp_dim={f}", f"model.vocab_size={V}",
+                                                 "model.dtype=bfloat16", "model.remat=full"])
+        kf = train_kernels(full, rows, seq)
+        mmf = sum(k.launches * k.flops for k in kf.kernels if k.what == "matmul")
+        assert mmf - mm == pytest.approx(2 * (matrices - d * V) * T)
+        assert kf.seconds(get_hardware("h200")) > kt.seconds(get_hardware("h200")) * 0.9
+
+
+def test_fused_decode_step_equals_a_hand_count():
+    """A one-row decode step of a tiny bf16 model over a contiguous cache: five fused
+    kernels a layer, each its bytes at the HBM rate plus the fixed cost, and the step's
+    embedding, final norm (2), head and sampling kernels, counted here by hand."""
+    from jaxllm.plan.kernel_time import DECODE_STEP_KERNELS, inference_kernels
+    cfg = load_config("configs/tiny.yaml", ["model.dtype=bfloat16"])
+    hw = dataclasses.replace(get_hardware("h200"), flops=1e30, hbm_bw=1e12, kernel_s=2e-6)
+    d, L, hq, hkv, D, f, V, c = 128, 4, 4, 2, 32, 384, 258, 2
+    ctx = 300
+    X, Q, K = d * c, hq * D * c, hkv * D * c
+    layer = [X + c * d * (hq + 2 * hkv) * D + Q + 2 * K,  # norm + q/k/v + RoPE + write
+             2 * hkv * ctx * D * c + 2 * Q,  # attention over the live K/V
+             Q + c * hq * D * d + 2 * X,  # o + residual
+             X + c * d * 2 * f + f * c,  # norm + gate/up + SwiGLU
+             f * c + c * f * d + 2 * X]  # down + residual
+    outside = [2 * X, X, 2 * X, c * (d + d * V) + 4 * V] + [V * 4 / 4] * 4
+    want = sum(L * (2e-6 + b / 1e12) for b in layer) + sum(2e-6 + b / 1e12 for b in outside)
+    kt = inference_kernels(cfg, 1, 1, ctx, prefill=False, fused=True)
+    assert kt.launches == 5 * L + DECODE_STEP_KERNELS == len(layer) * L + len(outside)
+    assert kt.seconds(hw) == pytest.approx(want, rel=1e-12)
+    # the unfused (XLA) step of the same row launches more kernels and takes longer
+    assert inference_kernels(cfg, 1, 1, ctx, prefill=False).seconds(hw) > want
+
+
+def test_measured_kernel_ceilings(tmp_path):
+    """A measured file's matmul shapes, attention rates and fixed cost reach the kernels."""
+    cfg = load_config("configs/llama_1b.yaml", ["parallelism.dp=1"])
+    p0 = plan(cfg, "h200", 1, batches=[1])
+    shape = next(k.shape for k in p0.kernels.train.kernels if k.shape and k.flops > 1e12)
+    path = tmp_path / "measured.yaml"
+    save_measured(path, "h200", flops=8e14, hbm_bw=4e12, kernel_s=5e-6, attn_fwd=5e14,
+                  attn_bwd=4e14, matmul_shapes={"x".join(map(str, shape)): 4e14})
+    hw = get_hardware("h200", path)
+    assert hw.kernel_s == 5e-6 and hw.matmul_rate(*shape) == 4e14
+    assert hw.matmul_rate(1, 2, 3) == 8e14
+    p = plan(cfg, "h200", 1, measured=str(path), batches=[1])
+    slow = dataclasses.replace(hw, matmul_shapes=())
+    assert p.kernels.train.seconds(hw) > p.kernels.train.seconds(slow)  # that shape at 4e14
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: h200\nmatmul_shapes: {12x3: 1.0e14}\n")
+    with pytest.raises(ValueError, match="MxKxN"):
+        get_hardware("h200", bad)

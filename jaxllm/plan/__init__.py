@@ -1,4 +1,5 @@
-"""The hardware planner: memory, FLOPs, roofline times and communication of a config.
+"""The hardware planner: memory, FLOPs, roofline and per-kernel times and communication
+of a config.
 
     p = jaxllm.plan(cfg, hardware="h200", devices=8)
     print(jaxllm.plan.render(p))
@@ -9,6 +10,7 @@
     memory.py    per-device memory (training, KV cache)     comm.py     collectives per axis
     activations.py  what the backward reads, by layer kind  report.py   `plan`, the report
     roofline.py  intensity and times                        plot.py     the figures
+    kernel_time.py  times as sums of the kernels each workload launches
 """
 import sys
 import types

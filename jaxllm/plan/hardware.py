@@ -9,6 +9,16 @@ Each entry holds what the roofline and the ring formulas need, per GPU:
     ib_bw      network bandwidth across hosts (InfiniBand / RoCE), bytes/s in one direction
     per_host   GPUs a host holds (the NVLink domain)
 
+and what the per-kernel time model (`kernel_time.py`) adds, each optional:
+
+    kernel_s       the fixed cost of one kernel launch inside a compiled program, seconds
+                   (its launch, ramp-up and tail beyond its FLOPs or bytes)
+    attn_fwd       the flash attention kernel's forward FLOP/s (causal FLOPs, as counted)
+    attn_bwd       its backward FLOP/s (2.5x the forward's FLOPs in the backward's time)
+    gmm_flops      the grouped (MoE experts) matmul kernel's FLOP/s
+    matmul_shapes  FLOP/s of bf16 matmuls of given shapes, {"MxKxN": FLOP/s}, used for
+                   matmuls of exactly that shape in place of `flops`
+
 Datasheet figures are ceilings no program reaches; a measured-ceilings file (YAML or JSON)
 replaces some of them with what a bf16 matmul and an HBM copy reach on the machine
 (`benchmarks/plan_check.py --measure` writes one):
@@ -16,17 +26,27 @@ replaces some of them with what a bf16 matmul and an HBM copy reach on the machi
     base: h200            # the entry whose other fields are kept
     flops: 7.78e14
     hbm_bw: 3.31e12
+    kernel_s: 3.0e-6
+    attn_fwd: 5.6e14
+    matmul_shapes: {32768x2048x2048: 7.2e14}
+
+Without them a kernel's FLOPs run at `flops` and the fixed cost is `KERNEL_S`.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 GB = 1e9
+# The fixed cost of a kernel inside a compiled program, when no measurement gives it: a
+# launch from a CUDA graph and the ramp and tail of a small grid, a few microseconds on
+# the GPUs listed (`benchmarks/plan_check.py --gpu` measures it as `kernel_s`).
+KERNEL_S = 3e-6
 
 
 @dataclass(frozen=True)
@@ -39,6 +59,16 @@ class Hardware:
     ib_bw: float
     per_host: int = 8
     measured: bool = False  # ceilings from a measurement, not the datasheet
+    kernel_s: float = KERNEL_S
+    attn_fwd: float | None = None
+    attn_bwd: float | None = None
+    gmm_flops: float | None = None
+    matmul_shapes: tuple[tuple[str, float], ...] = ()
+
+    def matmul_rate(self, m: int, k: int, n: int) -> float:
+        """FLOP/s of an [m, k] x [k, n] bf16 matmul: its measured rate, else `flops`."""
+        key = f"{int(m)}x{int(k)}x{int(n)}"
+        return dict(self.matmul_shapes).get(key, self.flops)
 
     @property
     def ridge(self) -> float:
@@ -55,7 +85,8 @@ HARDWARE: dict[str, Hardware] = {
     "a100": Hardware("A100 SXM 80GB", 312e12, 2.039e12, 80 * GB, 300 * GB, 25 * GB),
     "b200": Hardware("B200", 2250e12, 8.0e12, 180 * GB, 900 * GB, 50 * GB),
 }
-_FIELDS = ("flops", "hbm_bw", "hbm", "nvlink_bw", "ib_bw", "per_host")
+_FIELDS = ("flops", "hbm_bw", "hbm", "nvlink_bw", "ib_bw", "per_host", "kernel_s", "attn_fwd",
+           "attn_bwd", "gmm_flops", "matmul_shapes")
 
 
 def get_hardware(name: str | Hardware, measured: str | Path | None = None) -> Hardware:
@@ -90,14 +121,25 @@ def load_measured(path: str | Path, base: Hardware | None = None) -> Hardware:
     unknown = set(raw) - set(_FIELDS) - {"name"}
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {list(_FIELDS)}")
+    shapes = raw.pop("matmul_shapes", None) or {}
+    if not isinstance(shapes, dict):
+        raise ValueError(f"{path}: matmul_shapes must map \"MxKxN\" to FLOP/s; got {shapes!r}")
     values = {k: (int(v) if k == "per_host" else float(v)) for k, v in raw.items() if k in _FIELDS}
     for k, v in values.items():
         if v <= 0:
             raise ValueError(f"{path}: {k}={v} must be positive")
+    if shapes:
+        for key, v in shapes.items():
+            if not re.fullmatch(r"\d+x\d+x\d+", str(key)) or float(v) <= 0:
+                raise ValueError(f"{path}: matmul_shapes entry {key!r}: {v!r} must be "
+                                 f"\"MxKxN\": a positive FLOP/s")
+        values["matmul_shapes"] = tuple(sorted((str(k), float(v)) for k, v in shapes.items()))
     name = raw.get("name", base.name + " (measured)")
     return dataclasses.replace(base, name=name, measured=True, **values)
 
 
-def save_measured(path: str | Path, base: str, **ceilings: float) -> None:
-    """Write a measured-ceilings file over the table's entry `base`."""
-    Path(path).write_text(yaml.safe_dump({"base": base, **ceilings}, sort_keys=False))
+def save_measured(path: str | Path, base: str, **ceilings) -> None:
+    """Write a measured-ceilings file over the table's entry `base` (`matmul_shapes`: a
+    dict of "MxKxN" -> FLOP/s; the other ceilings numbers)."""
+    out = {k: (dict(v) if k == "matmul_shapes" else float(v)) for k, v in ceilings.items()}
+    Path(path).write_text(yaml.safe_dump({"base": base, **out}, sort_keys=False))

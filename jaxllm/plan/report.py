@@ -3,6 +3,10 @@ text report `python -m jaxllm.plan` prints.
 
     p = jaxllm.plan(cfg, hardware="h200", devices=8)
     p.train_memory.total, p.step_s, p.bound, p.ttft_s, p.tpot_s[32], p.max_batch
+    p.kernel_step_s, p.kernel_ttft_s, p.kernel_tpot_s[32]   # the per-kernel model
+
+The roofline times (`roofline.py`) are lower bounds; the kernel times (`kernel_time.py`)
+sum the kernels each workload launches, each at its own ceiling plus a fixed cost.
 
 Training uses the config's `parallelism:` layout over `devices`; inference a model replica
 over `parallelism.tp` devices, decoding `batches` sequences at the mean context of a
@@ -18,10 +22,12 @@ from jaxllm.config import Config, ConfigError
 from jaxllm.plan.comm import Collective, train_collectives
 from jaxllm.plan.flops import TrainFlops, pipeline_of, train_flops
 from jaxllm.plan.hardware import Hardware, get_hardware
+from jaxllm.plan.kernel_time import KernelPlan, kernel_plan
 from jaxllm.plan.memory import (InferenceMemory, TrainMemory, inference_memory,
                                 kv_bytes_per_token, state_bytes, train_memory)
 from jaxllm.plan.memory import microbatches as resolve_microbatches
-from jaxllm.plan.roofline import Point, decode_point, prefill_point, train_point
+from jaxllm.plan.roofline import (Point, bubble_fraction, decode_point, prefill_point,
+                                  train_point)
 from jaxllm.sharding.mesh import mesh_shape
 from jaxllm.sharding.rules import Rules
 
@@ -46,6 +52,7 @@ class Plan:
     inference_memory: InferenceMemory
     batches: tuple[int, ...] = field(default=DEFAULT_BATCHES)
     microbatches: int = 1
+    kernels: KernelPlan | None = None
 
     # -- training ----------------------------------------------------------------------
     @property
@@ -92,6 +99,22 @@ class Plan:
     def tpot_s(self) -> dict[int, float]:
         return {b: p.seconds(self.hardware) for b, p in self.decode.items()}
 
+    # -- the per-kernel model ------------------------------------------------------------
+    @property
+    def kernel_step_s(self) -> float:
+        """The train step as the sum of its kernels (times the pipeline's bubble), with
+        communication overlapped: the larger of the two."""
+        bubble = 1 + bubble_fraction(self.cfg, self.sizes["pp"], self.microbatches)
+        return max(self.kernels.train.seconds(self.hardware) * bubble, self.comm_s)
+
+    @property
+    def kernel_ttft_s(self) -> float:
+        return self.kernels.prefill.seconds(self.hardware)
+
+    @property
+    def kernel_tpot_s(self) -> dict[int, float]:
+        return {b: k.seconds(self.hardware) for b, k in self.kernels.decode.items()}
+
     @property
     def max_batch(self) -> int:
         return self.inference_memory.max_batch
@@ -136,7 +159,8 @@ def plan(cfg: Config, hardware: str | Hardware = "h200", devices: int = 8, *,
     return Plan(cfg, hw, devices, sizes, mem, flops, colls,
                 point, prompt, context, prefill_point(cfg, 1, prompt, tp),
                 {b: decode_point(cfg, b, context, tp) for b in batches},
-                inference_memory(cfg, hw.hbm, tp, context), batches, micro)
+                inference_memory(cfg, hw.hbm, tp, context), batches, micro,
+                kernel_plan(cfg, sizes, batches, prompt, context, micro))
 
 
 def _model_parallel_bytes(cfg: Config, sizes: dict[str, int]) -> float:
@@ -193,6 +217,8 @@ def render(p: Plan, width: int = 110) -> str:
                  ("HBM time", _time(tr.memory_s(hw))),
                  ("communication time", _time(tr.comm_s)),
                  ("step (overlapped / not)", f"{_time(p.step_s)} / {_time(p.step_exposed_s)}"),
+                 ("step, per-kernel model", f"{_time(p.kernel_step_s)} "
+                  f"({p.kernels.train.launches:,.0f} kernels)"),
                  ("bound", p.bound),
                  ("MFU at this step time (model FLOPs)", f"{100 * p.mfu:.1f}%"),
                  ("tokens/s", f"{p.tokens_per_s:,.0f}")]:
@@ -216,13 +242,22 @@ def render(p: Plan, width: int = 110) -> str:
               f"per token ({_gib(im.kv_per_token * p.context)} per sequence of {p.context}); "
               f"at most {im.max_batch} such sequences fit")
     tab = Table(title=f"inference roofline (prompt {p.prompt_len}, context {p.context})")
-    for col in ("workload", "FLOPs", "bytes", "intensity", "time", "bound", "tokens/s"):
+    for col in ("workload", "FLOPs", "bytes", "intensity", "time", "bound", "kernel model",
+                "kernels", "tokens/s"):
         tab.add_column(col, justify="right" if col != "workload" else "left")
-    rows = [("prefill (TTFT)", p.prefill, p.prompt_len)]
-    rows += [(f"decode B={b} (TPOT)", pt, b) for b, pt in p.decode.items()]
-    for name, pt, tokens in rows:
-        s = pt.seconds(hw)
+    rows = [("prefill (TTFT)", p.prefill, p.prompt_len, p.kernels.prefill)]
+    rows += [(f"decode B={b} (TPOT)", pt, b, p.kernels.decode[b]) for b, pt in p.decode.items()]
+    for name, pt, tokens, kt in rows:
+        s, ks = pt.seconds(hw), kt.seconds(hw)
         tab.add_row(name, f"{pt.flops:.3g}", _gib(pt.bytes), f"{pt.intensity:,.1f}", _time(s),
-                    pt.bound(hw), f"{tokens / s:,.0f}")
+                    pt.bound(hw), _time(ks), f"{kt.launches:,.0f}", f"{tokens / ks:,.0f}")
+    con.print(tab)
+
+    tab = Table(title=f"train step by kernel category (per-kernel model; fixed cost "
+                      f"{hw.kernel_s * 1e6:.1f} us a kernel)")
+    for col in ("category", "time", "kernels"):
+        tab.add_column(col, justify="right" if col != "category" else "left")
+    for what, (sec, n) in p.kernels.train.by_category(hw).items():
+        tab.add_row(what, _time(sec), f"{n:,.0f}")
     con.print(tab)
     return buf.getvalue()
