@@ -32,6 +32,7 @@ import contextlib
 import cProfile
 import dataclasses
 import gc
+import os
 import pstats
 import statistics
 import time
@@ -284,6 +285,32 @@ def host_alone(model, cfg, params, engine_kw: dict, prompts, outputs, profile: b
 
 
 @contextlib.contextmanager
+def device_trace(trace_dir: str | None, top: int = 12):
+    """Trace the block's GPU kernels into trace_dir (when given); print the device's busy
+    time against the wall clock and the kernels by their total time."""
+    if not trace_dir:
+        yield
+        return
+    from benchmarks.decode import busy_ns, gpu_kernels
+    t = time.perf_counter()
+    with jax.profiler.trace(trace_dir):
+        yield
+    wall, kernels = time.perf_counter() - t, gpu_kernels(trace_dir)
+    agg = {}
+    for name, _, dur in kernels:
+        c = agg.setdefault(name[:60], [0, 0])
+        c[0], c[1] = c[0] + 1, c[1] + dur
+    total = sum(d for _, d in agg.values())
+    if not total:
+        print("continuous batching, traced: no GPU kernels in the trace")
+        return
+    rows = [{"kernel": n, "calls": c, "s": d / 1e9, "% of kernel time": 100 * d / total}
+            for n, (c, d) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]]
+    print_table(rows, title=f"continuous batching, traced: the device busy {busy_ns(kernels) / 1e9:.2f} s "
+                            f"of {wall:.2f} s (the trace slows the host), {len(kernels)} kernels")
+
+
+@contextlib.contextmanager
 def host_profile(on: bool, title: str, top: int = 18):
     """cProfile the block when `on`; print its functions by own time."""
     if not on:
@@ -311,7 +338,8 @@ def main(argv=None):
     ap.add_argument("--prefix-len", type=int)
     ap.add_argument("--prefix-requests", type=int)
     ap.add_argument("--quick", action="store_true", help="a tiny CPU-sized run (smoke test)")
-    ap.add_argument("--profile", metavar="DIR", help="trace the decode step; print its kernels")
+    ap.add_argument("--profile", metavar="DIR", help="trace the decode step and the last "
+                    "continuous-batching run; print their kernels")
     ap.add_argument("--only-step", action="store_true", help="the decode step alone")
     ap.add_argument("--host-profile", action="store_true",
                     help="profile the host (cProfile) in the last continuous run and the "
@@ -367,7 +395,8 @@ def main(argv=None):
             max_pages_per_seq=engine.max_pages_per_seq, max_num_seqs=engine.config.max_num_seqs,
             max_num_batched_tokens=engine.config.max_num_batched_tokens,
             prefix_caching=engine.config.prefix_caching)
-    with host_profile(args.host_profile, "continuous batching"):
+    with host_profile(args.host_profile, "continuous batching"), \
+            device_trace(args.profile and os.path.join(args.profile, "continuous")):
         rows.append(continuous(engine, prompts, outputs))
     print(rows[-1], flush=True)
     del engine  # its page pool
