@@ -109,30 +109,30 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         walls.append(time.perf_counter() - t)
     fn = run._compiled[("step", b.tokens.shape[0], False)]
     dev = jax.device_put(b.pack())
-    k, v, out = fn(run.params, run.k, run.v, run.last, dev)
+    pools, out = fn(run.params, run.pools, run.last, dev)
     jax.block_until_ready(out)
     steps = 50
     t = time.perf_counter()
     for _ in range(steps):
-        k, v, out = fn(run.params, k, v, out, dev)
+        pools, out = fn(run.params, pools, out, dev)
     jax.block_until_ready(out)
     device = (time.perf_counter() - t) / steps
     per_window_step = None
     if window > 1:  # the same rows as a decode window: the device time of one of its steps
         b.window[:batch] = window
         wfn, wdev = run._compiled[("window", b.tokens.shape[0], False)], jax.device_put(b.pack())
-        k, v, _, out = wfn(run.params, k, v, out, wdev)
+        pools, _, out = wfn(run.params, pools, out, wdev)
         jax.block_until_ready(out)
         t = time.perf_counter()
         for _ in range(steps // window + 1):
-            k, v, _, out = wfn(run.params, k, v, out, wdev)
+            pools, _, out = wfn(run.params, pools, out, wdev)
         jax.block_until_ready(out)
         per_window_step = (time.perf_counter() - t) / ((steps // window + 1) * window)
     if profile_dir:  # the kernels of a few steps
         from benchmarks.decode import busy_ns, gpu_kernels
         with jax.profiler.trace(profile_dir):
             for _ in range(5):
-                k, v, out = fn(run.params, k, v, out, dev)
+                pools, out = fn(run.params, pools, out, dev)
             jax.block_until_ready(out)
         kernels = gpu_kernels(profile_dir)
         agg = {}
@@ -143,7 +143,7 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
                for n, (c, d) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:15]]
         print_table(top, title=f"decode step, batch {batch}: top kernels "
                                f"(busy {busy_ns(kernels) / 5e3:.0f} us/step)")
-    run.k, run.v, run.last = k, v, out
+    run.pools, run.last = pools, out
     for r in requests:
         a.free(r.seq)
     roof = step_bytes(cfg, int(lengths.sum())) / bw
@@ -228,18 +228,18 @@ def stand_in_device(engine: Engine) -> None:
     model (a sequence's sample is its last one + 1), so its counters time the host alone."""
     run, vocab = engine.runner, engine.model_config.vocab_size
 
-    def step(params, k, v, last, buf):
-        return k, v, (last + 1) % vocab
+    def step(params, pools, last, buf):
+        return pools, (last + 1) % vocab
 
-    def window(params, k, v, last, buf):
+    def window(params, pools, last, buf):
         samples = (last[None] + jnp.arange(1, run.window_steps + 1)[:, None]) % vocab
-        return k, v, samples, samples[-1]
+        return pools, samples, samples[-1]
 
     keys = [("step", t) for t in run.buckets] + [("window", t) for t in run.window_buckets]
     for kind, t in keys:
         buf = jax.ShapeDtypeStruct(run.empty_batch(t).pack().shape, jnp.int32)
-        fn = jax.jit(window if kind == "window" else step, donate_argnums=(1, 2))
-        fn = fn.lower(run.params, run.k, run.v, run.last, buf).compile()
+        fn = jax.jit(window if kind == "window" else step, donate_argnums=(1,))
+        fn = fn.lower(run.params, run.pools, run.last, buf).compile()
         run._compiled[(kind, t, False)] = run._compiled[(kind, t, True)] = fn
 
 

@@ -23,12 +23,20 @@ functions.
 and layer instead of per-head K/V: c [B, max_len, kv_lora_rank + qk_rope_head_dim], the
 normed key-value latent and the shared rotary key. `write(layer, latent, None, positions)`
 stores it; `attend` is multi-query attention of the absorbed queries over it, the latent
-serving as the key and its first kv_lora_rank values as the value.
+serving as the key and its first kv_lora_rank values as the value; one new token a row
+(decoding) runs `kernels.mla_decode` on it as a paged cache of pages of 64 latent rows with
+identity block tables.
+
+`RaggedLatentCache`: the serving engine's latent pool [L, P, page, rank + rope] (one array
+per layer stack, pages of latent rows under the same page allocator, block tables and
+prefix cache as the K/V pools) as a step sees it: every new token, prefill chunks' included,
+attends in the absorbed form through `kernels.mla_decode`, as a row of its own.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -37,7 +45,8 @@ import numpy as np
 from flax import struct
 
 from jaxllm.inference.pages import OutOfPagesError, PageAllocator  # noqa: F401  (re-exported)
-from jaxllm.kernels import decode_attention, paged_attention, ragged_paged_attention
+from jaxllm.kernels import (decode_attention, mla_decode, paged_attention,
+                            ragged_paged_attention)
 from jaxllm.kernels.reference import gather_pages
 from jaxllm.kernels.xla import cached_attention
 
@@ -308,14 +317,60 @@ class LatentCache:
                impl: str = "auto", counters=None):
         """Absorbed queries q (B, S, H, rank + rope) over the cached latents, each query
         seeing keys at positions <= its own -> (B, S, H, rank), the attended latent (the
-        caller projects it to per-head values). Plain einsums with the softmax in float32;
-        `impl` and `counters` are the protocol's and go unused."""
+        caller projects it to per-head values). One token a row goes through
+        `kernels.mla_decode` (with `impl`); several (speculative verification), plain
+        einsums with the softmax in float32. `counters` is the protocol's and goes unused."""
         if window is not None:
             raise ValueError("multi-head latent attention has no sliding window")
         c = self.c[layer]
+        b, t, dk = c.shape
+        if q.shape[1] == 1:  # the contiguous cache as pages of its rows, identity tables
+            page = math.gcd(t, 64)
+            tables = jnp.arange(b * t // page, dtype=jnp.int32).reshape(b, t // page)
+            o = mla_decode(q[:, 0].astype(self.dtype), c.reshape(-1, page, dk), tables,
+                           positions[:, 0] + 1, v_dim=self.rank, sm_scale=sm_scale, impl=impl)
+            return o[:, None]
         s = jnp.einsum("bshk,btk->bhst", q.astype(self.dtype), c,
                        preferred_element_type=jnp.float32) * sm_scale
         visible = jnp.arange(c.shape[1])[None, None, :] <= positions[:, :, None]  # (B, S, T)
         s = jnp.where(visible[:, None], s, -1e30)
         p = jax.nn.softmax(s, axis=-1).astype(self.dtype)
         return jnp.einsum("bhst,btr->bshr", p, c[..., :self.rank])
+
+
+@struct.dataclass
+class RaggedLatentCache:
+    """The latent pool as a serving-engine step sees it: one flat batch of new tokens from
+    many sequences as a single row (B = 1, S = T), as `RaggedPagedCache` (its slots,
+    block_tables, kv_lens and q_starts), over c [L, P, page, rank + rope]."""
+    c: jax.Array
+    slots: jax.Array
+    block_tables: jax.Array
+    kv_lens: jax.Array
+    q_starts: jax.Array
+    rank: int = struct.field(pytree_node=False)
+
+    def write(self, layer: int, k, v, positions) -> "RaggedLatentCache":
+        """k: the latents (1, T, rank + rope) of the new tokens; v is None."""
+        lyr, p, ps, dk = self.c.shape
+        if v is not None or k.shape[-1] != dk:
+            raise ValueError(f"RaggedLatentCache.write takes latents (1, T, {dk}) and v=None; "
+                             f"got {k.shape}")
+        flat = self.c.reshape(lyr, p * ps, dk)
+        c = flat.at[layer, self.slots].set(k[0].astype(self.c.dtype), mode="drop")
+        return self.replace(c=c.reshape(self.c.shape))
+
+    def attend(self, layer: int, q, positions, *, sm_scale: float, window: int | None = None,
+               impl: str = "auto", counters=None):
+        """Absorbed queries q (1, T, H, rank + rope) -> (1, T, H, rank): token i of sequence
+        s is a row of `kernels.mla_decode` with s's block table and length its position + 1
+        (causal within the sequence); padding rows (at or past q_starts[-1]) give zeros."""
+        if window is not None:
+            raise ValueError("multi-head latent attention has no sliding window")
+        t, n = q.shape[1], self.kv_lens.shape[0]
+        rows = jnp.arange(t, dtype=jnp.int32)
+        seq = jnp.clip(jnp.searchsorted(self.q_starts, rows, side="right") - 1, 0, n - 1)
+        lengths = jnp.where(rows < self.q_starts[-1], positions[0] + 1, 0).astype(jnp.int32)
+        o = mla_decode(q[0].astype(self.c.dtype), self.c, self.block_tables[seq], lengths,
+                       v_dim=self.rank, sm_scale=sm_scale, impl=impl, layer=layer)
+        return o[None]

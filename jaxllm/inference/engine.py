@@ -32,7 +32,7 @@ import numpy as np
 from jaxllm.config import Config
 from jaxllm.inference.params import DecodeParams, decode_params
 from jaxllm.inference.requests import QueueFullError, RequestOutput, SamplingParams
-from jaxllm.inference.runner import MAX_BANNED, ModelRunner, StepBatch
+from jaxllm.inference.runner import MAX_BANNED, ModelRunner, StepBatch, pool_shapes
 from jaxllm.inference.scheduler import Request, ScheduledStep, Scheduler
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -256,8 +256,8 @@ class Engine:
         contexts per sequence slot; on a device without memory figures (the CPU), one full
         context per sequence slot."""
         c = self.model_config
-        per_page = (2 * c.n_layers * c.n_kv_heads * self.config.page_size
-                    * c.resolved_head_dim * np.dtype(self.params.embed.dtype).itemsize)
+        shapes = pool_shapes(c, c.n_layers, 1, self.config.page_size)
+        per_page = sum(map(math.prod, shapes)) * np.dtype(self.params.embed.dtype).itemsize
         full = self.config.max_num_seqs * self.max_pages_per_seq
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:

@@ -4,7 +4,9 @@ A step takes T new tokens from up to N sequences (decode rows of one token and p
 chunks of many, in any mix), writes their K/V into the page pool, attends with
 `kernels.ragged_paged_attention`, and samples one token for each sequence that reached the
 end of its known tokens, with that request's own options. The pool is donated, so it is
-updated in place.
+updated in place. A multi-head latent attention model's pool holds its latents instead, one
+row of kv_lora_rank + qk_rope_head_dim values a token and layer, and every new token
+attends over it through `kernels.mla_decode` (the absorbed form, `RaggedLatentCache`).
 
 A decode window runs several decode steps in one call: when every scheduled sequence has
 one token to run, sequence s runs window[s] steps back to back on the device, each taking
@@ -33,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.inference.cache import RaggedPagedCache, token_slots
+from jaxllm.inference.cache import RaggedLatentCache, RaggedPagedCache, token_slots
 from jaxllm.inference.params import DecodeParams
 from jaxllm.inference.sampling import sample_rows
 from jaxllm.inference.step import hidden_states, logits
@@ -119,34 +121,51 @@ def _cuts(layout) -> tuple:
     return tuple(out)
 
 
-def _sample(params: DecodeParams, k_pool, v_pool, tokens, b: StepBatch, banned,
-            sampled: bool):
-    """The tokens through the model, writing their K/V; one sample per sequence (the argmax
-    of each when no row samples: `sampled` is the host's, so nothing branches on the
-    device, where a branch would hold the host until the step's logits exist)."""
-    cache = RaggedPagedCache(k_pool, v_pool, b.slots, b.block_tables, b.kv_lens, b.q_starts)
-    h, cache = hidden_states(params, tokens[None], b.positions[None], cache)
+def pool_shapes(cfg, n_layers: int, num_pages: int, page_size: int) -> tuple[tuple, ...]:
+    """The page pool's arrays: k and v [L, Hkv, P, page, D], or a multi-head latent
+    attention model's one latent pool [L, P, page, kv_lora_rank + qk_rope_head_dim]."""
+    if cfg.mla is not None:
+        return ((n_layers, num_pages, page_size, cfg.mla.latent_dim),)
+    return ((n_layers, cfg.n_kv_heads, num_pages, page_size, cfg.resolved_head_dim),) * 2
+
+
+def _cache(params: DecodeParams, pools: tuple, b: StepBatch):
+    if params.cfg.mla is not None:
+        return RaggedLatentCache(pools[0], b.slots, b.block_tables, b.kv_lens, b.q_starts,
+                                 rank=params.cfg.mla.kv_lora_rank)
+    return RaggedPagedCache(*pools, b.slots, b.block_tables, b.kv_lens, b.q_starts)
+
+
+def _pools(cache) -> tuple:
+    return (cache.c,) if isinstance(cache, RaggedLatentCache) else (cache.k, cache.v)
+
+
+def _sample(params: DecodeParams, pools: tuple, tokens, b: StepBatch, banned, sampled: bool):
+    """The tokens through the model, writing their K/V (or latents); one sample per sequence
+    (the argmax of each when no row samples: `sampled` is the host's, so nothing branches on
+    the device, where a branch would hold the host until the step's logits exist)."""
+    h, cache = hidden_states(params, tokens[None], b.positions[None], _cache(params, pools, b))
     out = logits(params, h[:, b.sample_at])[0]  # (N, V) float32
     rows = jnp.arange(out.shape[0])[:, None]
     out = out.at[rows, banned].set(-jnp.inf, mode="drop")
     if not sampled:
-        return cache.k, cache.v, jnp.argmax(out, axis=-1).astype(jnp.int32)
+        return _pools(cache), jnp.argmax(out, axis=-1).astype(jnp.int32)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(
         jax.random.fold_in(jax.random.key(s[0]), s[1]), i))(b.seed, b.draw)
-    return cache.k, cache.v, sample_rows(out, keys, b.temperature, b.top_k, b.top_p)
+    return _pools(cache), sample_rows(out, keys, b.temperature, b.top_k, b.top_p)
 
 
 def _inputs(b: StepBatch, previous):
     return jnp.where(b.from_previous >= 0, previous[jnp.maximum(b.from_previous, 0)], b.tokens)
 
 
-def _step(params: DecodeParams, k_pool, v_pool, previous, buf, layout, sampled: bool):
+def _step(params: DecodeParams, pools: tuple, previous, buf, layout, sampled: bool):
     b = unpack(buf, layout)
     banned = jnp.where(b.ban_steps[:, None] > 0, b.banned, params.cfg.vocab_size)
-    return _sample(params, k_pool, v_pool, _inputs(b, previous), b, banned, sampled)
+    return _sample(params, pools, _inputs(b, previous), b, banned, sampled)
 
 
-def _window(params: DecodeParams, k_pool, v_pool, previous, buf, layout, sampled: bool,
+def _window(params: DecodeParams, pools: tuple, previous, buf, layout, sampled: bool,
             steps: int):
     """`steps` decode steps; token row i is sequence i's one token. Sequence s advances
     window[s] of them (its later ones write nothing and are not read) -> the pools, the
@@ -158,38 +177,34 @@ def _window(params: DecodeParams, k_pool, v_pool, previous, buf, layout, sampled
     tables = b.block_tables[seq_of_row]
 
     def body(carry, j):
-        k_pool, v_pool, tokens = carry
+        pools, tokens = carry
         pos = b.positions + j
         live = j < row_window
         # a row past its window writes to the one-past-the-end slot, which is dropped
-        slots = token_slots(tables, jnp.where(live, pos, -1)[:, None], k_pool.shape[-2],
-                            k_pool.shape[-3])[:, 0]
+        slots = token_slots(tables, jnp.where(live, pos, -1)[:, None], pools[0].shape[-2],
+                            pools[0].shape[-3])[:, 0]
         advance = jnp.minimum(j, jnp.maximum(b.window - 1, 0))
         bj = dataclasses.replace(b, positions=jnp.where(live, pos, b.positions), slots=slots,
                                  kv_lens=jnp.where(b.kv_lens > 0, b.kv_lens + advance, 0),
                                  draw=b.draw + j)
         banned = jnp.where(j < b.ban_steps[:, None], b.banned, params.cfg.vocab_size)
-        k_pool, v_pool, drawn = _sample(params, k_pool, v_pool, tokens, bj, banned, sampled)
-        return (k_pool, v_pool, drawn[seq_of_row]), drawn
+        pools, drawn = _sample(params, pools, tokens, bj, banned, sampled)
+        return (pools, drawn[seq_of_row]), drawn
 
-    (k_pool, v_pool, _), samples = jax.lax.scan(
-        body, (k_pool, v_pool, _inputs(b, previous)), jnp.arange(steps))
+    (pools, _), samples = jax.lax.scan(body, (pools, _inputs(b, previous)), jnp.arange(steps))
     last = samples[jnp.maximum(b.window - 1, 0), jnp.arange(n)]
-    return k_pool, v_pool, samples, last
+    return pools, samples, last
 
 
 class ModelRunner:
-    """The page pool [L, Hkv, num_pages, page_size, D] and the compiled step per bucket
-    (and, with window_steps > 1, the decode window per bucket of at most N rows)."""
+    """The page pool (`pools`: k and v [L, Hkv, num_pages, page_size, D], or the latent
+    pool of an MLA model) and the compiled step per bucket (and, with window_steps > 1, the
+    decode window per bucket of at most N rows)."""
 
     def __init__(self, params: DecodeParams, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
                  window_steps: int = 1):
         c = params.cfg
-        if c.mla is not None:
-            raise ValueError("the serving engine's page pool holds per-head K/V; a model with "
-                             "model.attention='mla' decodes through jaxllm.generate (its "
-                             "latent cache) for now")
         self.params = params
         self.num_pages, self.page_size = num_pages, page_size
         self.max_num_seqs, self.max_pages_per_seq = max_num_seqs, max_pages_per_seq
@@ -197,18 +212,17 @@ class ModelRunner:
         self.window_steps = window_steps
         self.window_buckets = (self.buckets[:self.buckets.index(self.bucket(max_num_seqs)) + 1]
                                if window_steps > 1 else ())
-        shape = (params.n_layers, c.n_kv_heads, num_pages, page_size, c.resolved_head_dim)
-        self.k = jnp.zeros(shape, as_dtype(c.dtype))
-        self.v = jnp.zeros(shape, as_dtype(c.dtype))
+        self.pools = tuple(jnp.zeros(shape, as_dtype(c.dtype))
+                           for shape in pool_shapes(c, params.n_layers, num_pages, page_size))
         self.last = jnp.zeros(max_num_seqs, jnp.int32)  # the latest step's samples
-        self._jit = jax.jit(_step, donate_argnums=(1, 2), static_argnums=(5, 6))
-        self._jit_window = jax.jit(_window, donate_argnums=(1, 2), static_argnums=(5, 6, 7))
+        self._jit = jax.jit(_step, donate_argnums=(1,), static_argnums=(4, 5))
+        self._jit_window = jax.jit(_window, donate_argnums=(1,), static_argnums=(4, 5, 6))
         self._compiled: dict[tuple[str, int, bool], object] = {}
         self._empty: dict[int, StepBatch] = {}  # the padding batch of each bucket
 
     @property
     def pool_bytes(self) -> int:
-        return 2 * self.k.size * self.k.dtype.itemsize
+        return sum(p.nbytes for p in self.pools)
 
     def bucket(self, n_tokens: int) -> int:
         for t in self.buckets:
@@ -241,7 +255,7 @@ class ModelRunner:
         kind, t, sampled = key
         batch = self.empty_batch(t)
         buf = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32)
-        args = (self.params, self.k, self.v, self.last, buf, batch.layout(), sampled)
+        args = (self.params, self.pools, self.last, buf, batch.layout(), sampled)
         if kind == "window":
             return self._jit_window.lower(*args, self.window_steps).compile()
         return self._jit.lower(*args).compile()
@@ -276,7 +290,7 @@ class ModelRunner:
         whether to compile in sampling (default: whether a row has temperature > 0)."""
         fn = self._fn("step", batch, sampled)
         # the compiled step takes the dynamic arguments only (the layout is baked in)
-        self.k, self.v, self.last = fn(self.params, self.k, self.v, self.last, batch.pack())
+        self.pools, self.last = fn(self.params, self.pools, self.last, batch.pack())
         return self.last
 
     def run_window(self, batch: StepBatch, sampled: bool | None = None) -> jax.Array:
@@ -284,6 +298,5 @@ class ModelRunner:
         returns the samples int32 [window_steps, N] on the device; `last` holds each
         sequence's last one."""
         fn = self._fn("window", batch, sampled)
-        self.k, self.v, samples, self.last = fn(self.params, self.k, self.v, self.last,
-                                                batch.pack())
+        self.pools, samples, self.last = fn(self.params, self.pools, self.last, batch.pack())
         return samples
