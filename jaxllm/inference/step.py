@@ -14,7 +14,9 @@ Multi-head latent attention layers cache their latent (`LatentCache`). Prefill e
 to per-head K/V and runs the flash kernel (query-key dim nope + rope, value dim v_head_dim);
 decoding runs the absorbed form: each head's q_nope is taken through W_uk into the latent
 space, attention is multi-query over the cached latents, and the attended latent goes
-through W_uv to the head's values before the output projection.
+through W_uv to the head's values before the output projection. The serving engine's flat
+batches (`hidden_states` without prefill) run every token in the absorbed form over the
+paged latent pool (`RaggedLatentCache`).
 """
 from __future__ import annotations
 
