@@ -6,9 +6,10 @@
 Each balancing method trains the same model on the embedded corpus with the same data
 and seed (`train.trainer.train`, checkpoints off) and the table gives, per method: the
 first logged step at which the expert load's max/mean (the worst MoE layer's) is at most
-1.2, max/mean at the end and averaged over the second half of the run, the router's
+1.2, max/mean at the end and averaged over the second half of the run, max/mean on the
+validation batches at the end (their expert loads summed over the batches), the router's
 entropy, the final training and validation loss. What to check: "bias" reaches
-max/mean <= 1.2 within a few hundred steps and its validation loss is no worse than
+max/mean <= 1.2 (in training and on the validation batches) within a few hundred steps and its validation loss is no worse than
 "aux_loss"'s.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ def run(config: str, overrides: list[str], balance: str, steps: int, log_every: 
             f"first step max/mean <= {BALANCED}": reached,
             "max/mean last": loads[-1],
             "max/mean 2nd half": statistics.mean(loads[len(loads) // 2:]),
+            "max/mean val": recs[-1]["eval_moe_load_max"],
             "router entropy": recs[-1]["moe_entropy"], "aux loss": recs[-1]["moe_aux_loss"],
             "loss": recs[-1]["loss"], "eval loss": recs[-1]["eval_loss"],
             "tokens/s": statistics.median(r["tokens_per_s"] for r in recs[1:] or recs)}

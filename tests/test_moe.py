@@ -1,8 +1,11 @@
 """Mixture-of-experts layers (model/moe.py): the block against a per-token loop over each
 token's experts (forward and gradients, both routers, groups, shared experts, the
 selection bias), dropless dispatch at skewed load, auxiliary-loss-free balancing in the
-training step (outside the optimizer, kept by checkpoints), config errors, and decoding."""
+training step (outside the optimizer, kept by checkpoints), the load max/mean figure in
+training and evaluation, config errors, and decoding."""
+import json
 import math
+import types
 
 import chex
 import jax
@@ -14,8 +17,8 @@ from flax import nnx
 import jaxllm
 from jaxllm.checkpoint import Checkpointer, load_model
 from jaxllm.config import ConfigError, load_config, save_config
-from jaxllm.model.moe import MoE, expert_ffn
-from jaxllm.train.trainer import init_state, sharding_plan
+from jaxllm.model.moe import MoE, expert_ffn, load_max_over_mean
+from jaxllm.train.trainer import evaluate, init_state, sharding_plan, train
 
 D, T = 16, 12
 MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.expert_mlp_dim=8"]
@@ -147,6 +150,61 @@ def test_bias_balances_load_outside_the_optimizer(tmp_path):
     assert step == 8
     np.testing.assert_array_equal(model.blocks.mlp.expert_bias[...],
                                   params["blocks"]["mlp"]["expert_bias"])
+
+
+def test_load_max_over_mean_on_random_counts():
+    rng = np.random.default_rng(7)
+    counts = rng.integers(0, 50, (5, 8))  # [L, E] token counts
+    want = counts.max(-1) / counts.mean(-1)
+    np.testing.assert_allclose(load_max_over_mean(counts, per_layer=True), want, rtol=1e-6)
+    np.testing.assert_allclose(load_max_over_mean(counts), want.max(), rtol=1e-6)
+    # fractions give the same figure as counts; one expert taking all gives E, even load 1
+    np.testing.assert_allclose(load_max_over_mean(counts / counts.sum(-1, keepdims=True)),
+                               want.max(), rtol=1e-6)
+    assert float(load_max_over_mean(np.eye(8)[3])) == pytest.approx(8.0)
+    assert float(load_max_over_mean(np.full(8, 5))) == pytest.approx(1.0)
+
+
+def test_evaluate_sums_loads_over_validation_batches():
+    """eval_moe_load_max is max/mean of the loads summed over the batches: two batches
+    skewed in opposite directions balance each other (1.0), which a mean of per-batch
+    figures would not (1.5). The loss is the batches' mean."""
+    rng = np.random.default_rng(3)
+    loads = [np.array([[0.75, 0.25], [0.5, 0.5]]), np.array([[0.25, 0.75], [0.5, 0.5]])]
+    loads += [rng.dirichlet(np.ones(2), size=2) for _ in range(2)]
+    losses = rng.uniform(1, 3, 4)
+    outs = iter([{"loss": l, "expert_load": w} for l, w in zip(losses, loads)])
+    fns = types.SimpleNamespace(plan=types.SimpleNamespace(data_shard=lambda: (0, 1)),
+                                eval=lambda params, batch: next(outs))
+    cfg = load_config(None, ["train.eval_batches=4", "train.seq_len=8", "train.batch_size=2"])
+    rec = evaluate(fns, None, cfg, np.arange(200, dtype=np.int32), place=lambda b: b)
+    total = np.sum(loads, axis=0)
+    assert rec["eval_loss"] == pytest.approx(losses.mean())
+    assert rec["eval_moe_load_max"] == pytest.approx(
+        np.max(total.max(-1) / total.mean(-1)), rel=1e-6)
+    outs = iter([{"loss": l, "expert_load": w} for l, w in zip(losses, loads)])
+    cfg = load_config(None, ["train.eval_batches=2", "train.seq_len=8", "train.batch_size=2"])
+    rec = evaluate(fns, None, cfg, np.arange(200, dtype=np.int32), place=lambda b: b)
+    assert rec["eval_moe_load_max"] == pytest.approx(1.0)  # per-batch mean: 1.5
+
+
+def test_train_run_logs_eval_load_max(corpus, tmp_path):
+    """A short tiny_moe run logs eval_moe_load_max at its evaluations (beside eval_loss),
+    and moe_load_max at every logged step."""
+    run = tmp_path / "run"
+    cfg = load_config("configs/tiny_moe.yaml", [
+        "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.n_layers=2",
+        "model.mlp_dim=48", "model.moe.expert_mlp_dim=16", "train.steps=2",
+        "train.batch_size=8", "train.seq_len=16", "train.warmup_steps=1", "train.log_every=1",
+        "train.eval_every=2", "train.eval_batches=2", "train.progress=false",
+        "checkpoint.enabled=false", f"data.source={corpus}",
+        f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.2", f"train.run_dir={run}"])
+    train(cfg, resume=False)
+    recs = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in recs] == [1, 2]
+    assert "eval_moe_load_max" not in recs[0] and "eval_loss" in recs[1]
+    assert all("moe_load_max" in r for r in recs)
+    assert 1.0 <= recs[1]["eval_moe_load_max"] <= cfg.model.moe.num_experts
 
 
 @pytest.mark.parametrize("override,match", [

@@ -168,9 +168,18 @@ def update_expert_bias(params, before, load, rate: float):
         if getattr(path[-1], "key", None) == BIAS_KEY else w, params, before)
 
 
+def load_max_over_mean(load, per_layer: bool = False):
+    """Max over the experts of the expert load divided by its mean: 1 when balanced, E when
+    one expert takes every assignment. `load` [..., E] holds each expert's token count (or
+    fraction; only the ratios matter), per layer on the leading axes. Returns the figure
+    of each layer ([...]) with per_layer, else of the worst layer (a scalar)."""
+    load = jnp.asarray(load, jnp.float32)
+    ratio = load.max(-1) / load.mean(-1)
+    return ratio if per_layer else ratio.max()
+
+
 def moe_metrics(stats: dict) -> dict:
     """Scalars to log from the stacked stats of the MoE layers (each [L, ...]): the max
     over layers of max/mean expert load, the mean router entropy and aux loss."""
-    load = stats["load"]  # [L, E]
-    return {"moe_load_max": jnp.max(load.max(-1) / load.mean(-1)),
+    return {"moe_load_max": load_max_over_mean(stats["load"]),
             "moe_entropy": stats["entropy"].mean(), "moe_aux_loss": stats["aux_loss"].mean()}

@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxllm.config import Config, ConfigError, load_config, save_config
 from jaxllm.model import build_model
-from jaxllm.model.moe import moe_metrics, update_expert_bias
+from jaxllm.model.moe import load_max_over_mean, moe_metrics, update_expert_bias
 from jaxllm.model.mtp import mtp_losses
 from jaxllm.sharding import ShardingPlan
 from jaxllm.sharding.memory import describe_memory, step_memory
@@ -93,7 +93,7 @@ class TrainFns:
     graphdef: nnx.GraphDef
     tx: optax.GradientTransformation
     step: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics)
-    eval: Callable  # (params, batch) -> loss
+    eval: Callable  # (params, batch) -> {"loss"} (+ "expert_load" [L, E] with MoE layers)
     plan: ShardingPlan  # the mesh and every array's layout
 
 
@@ -126,10 +126,11 @@ def make_train_fns(cfg: Config, graphdef, plan: ShardingPlan) -> TrainFns:
     w = cfg.train.mtp_weight
     value_and_grad = lambda p, b: jax.value_and_grad(lambda p: loss_fn(graphdef, p, b, w),
                                                      has_aux=True)(p)
-    eval_loss = lambda p, b: loss_fn(graphdef, p, b)[1]["loss"]
+    eval_fn = lambda p, b: {k: v for k, v in loss_fn(graphdef, p, b)[1].items()
+                            if k in ("loss", "expert_load")}
     if cfg.parallelism.pp > 1:  # the blocks in stages over pp (1f1b: its own backward)
         pipe = Pipeline(cfg, graphdef, plan.mesh, cross_entropy)
-        value_and_grad, eval_loss = pipe.value_and_grad, lambda p, b: pipe.loss(p, b)[0]
+        value_and_grad, eval_fn = pipe.value_and_grad, lambda p, b: {"loss": pipe.loss(p, b)[0]}
 
     moe = cfg.model.moe
     bias_rate = moe.bias_update_rate if moe is not None and moe.balance == "bias" else 0.0
@@ -145,7 +146,7 @@ def make_train_fns(cfg: Config, graphdef, plan: ShardingPlan) -> TrainFns:
             new = update_expert_bias(new, params, load, bias_rate)
         return new, opt_state, {**aux, "grad_norm": optax.tree.norm(grads)}
 
-    return TrainFns(graphdef, tx, plan.jit_step(step, tx), plan.jit_eval(eval_loss), plan)
+    return TrainFns(graphdef, tx, plan.jit_step(step, tx), plan.jit_eval(eval_fn), plan)
 
 
 def sharding_plan(cfg: Config, devices=None) -> ShardingPlan:
@@ -252,6 +253,8 @@ class _Logger:
             info += f"  KL(teacher||model) {rec['distill_kl']:.4f}"
         if "eval_loss" in rec:
             info += f"  eval {rec['eval_loss']:.4f}"
+        if "eval_moe_load_max" in rec:
+            info += f" (expert load max/mean {rec['eval_moe_load_max']:.2f})"
         if self.progress is not None:
             self.progress.update(self.task, completed=rec["step"], info=info)
             if "eval_loss" in rec:
@@ -265,16 +268,25 @@ class _Logger:
         self.file.close()
 
 
-def evaluate(fns: TrainFns, params, cfg: Config, tokens: np.ndarray, place) -> float:
-    """Mean loss over a fixed set of validation batches (the same at every evaluation)."""
+def evaluate(fns: TrainFns, params, cfg: Config, tokens: np.ndarray, place) -> dict:
+    """Over a fixed set of validation batches (the same at every evaluation): `eval_loss`,
+    their mean loss, and with MoE layers `eval_moe_load_max`, the worst layer's max/mean of
+    the expert loads summed over all the batches (one figure for the whole set, not a mean
+    of per-batch figures; the batches are the same size, so their load fractions add up as
+    token counts do)."""
     t = cfg.train
-    losses = []
+    outs = []
     block, blocks = fns.plan.data_shard()  # this process's rows (shared across pp hosts)
     for i in range(t.eval_batches):
         batch = data_lib.get_batch(tokens, t.seq_len, t.batch_size, t.seed, i,
                                    stream=data_lib.EVAL_STREAM, host_id=block, num_hosts=blocks)
-        losses.append(fns.eval(params, place(batch)))
-    return float(np.mean(jax.device_get(losses)))
+        outs.append(fns.eval(params, place(batch)))
+    outs = jax.device_get(outs)
+    rec = {"eval_loss": float(np.mean([o["loss"] for o in outs]))}
+    if "expert_load" in outs[0]:
+        load = np.sum([o["expert_load"] for o in outs], axis=0)  # [L, E]
+        rec["eval_moe_load_max"] = float(load_max_over_mean(load))
+    return rec
 
 
 def check_resume(cfg: Config, run_dir: Path) -> None:
@@ -394,8 +406,8 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
                     rec.update({k: float(v) for k, v in jax.device_get(metrics).items()
                                 if k.startswith(("mtp", "distill", "moe"))})  # MTP, distillation, MoE
                     if is_eval:
-                        eval_loss = evaluate(fns, params, cfg, data.val, place)
-                        rec["eval_loss"] = eval_loss
+                        rec.update(evaluate(fns, params, cfg, data.val, place))
+                        eval_loss = rec["eval_loss"]
                     logger.record(rec)
                     tick, tick_step = time.perf_counter(), step
                 if (is_save or flag.stop) and cfg.checkpoint.enabled:
