@@ -7,6 +7,7 @@ Sections are frozen dataclasses, some with nested ones (`inference.speculative`,
 builder: unknown keys are errors with a did-you-mean, types are checked (a `Literal` field
 takes one of its values), each section checks its own values when built, and `Config.check`
 the ones that span sections. Nothing is silently clamped or ignored.
+The model's sub-sections and `ConfigError` live in `config_model.py`; they are re-exported here.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxllm.config_model import (ConfigError, MLAConfig, MoEConfig, RopeScaling,
+                                 _positive)
+
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["auto", "reference", "xla", "cudnn", "pallas_triton", "pallas_mosaic"]
 DecodeImpl = Literal["auto", "xla", "pallas_triton"]
@@ -30,173 +34,6 @@ DTYPES = typing.get_args(DType)
 ATTENTION_IMPLS = typing.get_args(AttentionImpl)
 DECODE_IMPLS = typing.get_args(DecodeImpl)
 MATMUL_IMPLS = typing.get_args(MatmulImpl)
-
-
-class ConfigError(ValueError):
-    """A config value or key is wrong; the message names it and the fix."""
-
-
-def _positive(section: str, obj, names) -> None:
-    for name in names:
-        if getattr(obj, name) <= 0:
-            raise ConfigError(f"{section}.{name}={getattr(obj, name)} must be positive")
-
-
-_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """model.rope_scaling, one of two kinds of long-context frequency scaling.
-
-    "llama3" (Llama 3.1): wavelengths longer than original_max_position_embeddings /
-    low_freq_factor are stretched by `factor`, those shorter than
-    original_max_position_embeddings / high_freq_factor are kept.
-    "yarn" (YaRN, as DeepSeek and transformers define it): frequencies that turn fewer than
-    beta_slow times over original_max_position_embeddings are divided by `factor`, those
-    turning more than beta_fast times are kept, a linear ramp between; cos and sin are
-    multiplied by mscale(factor, mscale) / mscale(factor, mscale_all_dim), and MLA's softmax
-    scale by mscale(factor, mscale_all_dim)^2, with mscale(s, m) = 0.1 m ln(s) + 1 (1 for
-    s <= 1). Unset yarn fields take transformers' defaults (32, 1, 1, 0); each kind takes
-    only its own fields.
-    """
-    rope_type: Literal["llama3", "yarn"]
-    factor: float
-    low_freq_factor: float | None = None  # llama3
-    high_freq_factor: float | None = None  # llama3
-    original_max_position_embeddings: int | None = None
-    beta_fast: float | None = None  # yarn
-    beta_slow: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-
-    def __post_init__(self):
-        own = (("low_freq_factor", "high_freq_factor") if self.rope_type == "llama3"
-               else tuple(_YARN_DEFAULTS))
-        other = [n for n in ("low_freq_factor", "high_freq_factor", *_YARN_DEFAULTS)
-                 if n not in own and getattr(self, n) is not None]
-        if other:
-            raise ConfigError(f"model.rope_scaling.rope_type={self.rope_type!r} takes no "
-                              f"{', '.join(other)}; delete them or change rope_type")
-        required = (*own, "factor", "original_max_position_embeddings")
-        missing = [n for n in required if self.resolved(n) is None]
-        if missing:
-            raise ConfigError(f"model.rope_scaling ({self.rope_type}) lacks "
-                              f"{', '.join(missing)}")
-        for name in required:
-            value, at_least = self.resolved(name), ("0" if name.startswith("mscale") else "")
-            if value < 0 or value == 0 and not at_least:
-                raise ConfigError(f"model.rope_scaling.{name}={value!r} must be "
-                                  + ("at least 0" if at_least else "a positive number"))
-        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ConfigError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor} "
-                              f"must exceed low_freq_factor={self.low_freq_factor}")
-        if self.rope_type == "yarn" and self.resolved("beta_fast") <= self.resolved("beta_slow"):
-            raise ConfigError(f"model.rope_scaling.beta_fast={self.resolved('beta_fast')} must "
-                              f"exceed beta_slow={self.resolved('beta_slow')}")
-
-    def resolved(self, name: str) -> float:
-        """A field's value, yarn's defaults filled in."""
-        value = getattr(self, name)
-        return _YARN_DEFAULTS[name] if value is None and self.rope_type == "yarn" else value
-
-
-@dataclass(frozen=True)
-class MLAConfig:
-    """model.mla, multi-head latent attention (DeepSeek-V2/V3). Queries: x -> q_lora_rank
-    (RMSNorm) -> per head [nope | rope], or x -> per head directly (q_lora_rank 0 / null).
-    Keys and values: x -> [latent (kv_lora_rank, RMSNorm) | k_rope (qk_rope_head_dim, one
-    for all heads)], the latent -> per head [k_nope (qk_nope_head_dim) | v (v_head_dim)].
-    Decoding caches kv_lora_rank + qk_rope_head_dim values per token and layer."""
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None = None
-
-    def __post_init__(self):
-        _positive("model.mla", self, ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                      "v_head_dim"))
-        if self.q_lora_rank is not None and self.q_lora_rank < 0:
-            raise ConfigError(f"model.mla.q_lora_rank={self.q_lora_rank} must be positive, or "
-                              f"0 / null for full-rank queries")
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be "
-                              f"even for rotary embeddings")
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def latent_dim(self) -> int:
-        """Cached values per token and layer: the latent and the shared rotary key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    def num_params(self, d_model: int, n_heads: int) -> int:
-        """Parameters of one MLA layer, its two latent norms included."""
-        ql, r = self.q_lora_rank, self.kv_lora_rank
-        q_out = n_heads * self.qk_head_dim
-        q = d_model * ql + ql + ql * q_out if ql else d_model * q_out
-        kv = d_model * self.latent_dim + r + r * n_heads * (self.qk_nope_head_dim
-                                                             + self.v_head_dim)
-        return q + kv + n_heads * self.v_head_dim * d_model
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """model.moe, mixture-of-experts feed-forward blocks (DeepSeek-V3, Qwen3-MoE, Mixtral).
-
-    Each token goes through the `top_k` of `num_experts` routed SwiGLU experts (width
-    `expert_mlp_dim`) its router picks, weighted by the router's scores, plus the dense
-    SwiGLU of `num_shared_experts` x expert_mlp_dim that every token takes (DeepSeek). The
-    first `dense_layers` layers keep the dense MLP of model.mlp_dim. With n_groups > 1 the
-    experts fall into groups and a token picks among the `topk_groups` groups of highest
-    summed top-2 scores (DeepSeek-V3's group-limited routing). Balancing: "aux_loss" adds
-    aux_loss_weight x the Switch load-balancing loss to the objective; "bias" adds a
-    per-expert bias to the scores for choosing (not weighting) experts and moves it by
-    bias_update_rate x sign(mean load - load) after every step (DeepSeek-V3's
-    auxiliary-loss-free balancing); "none" does neither.
-    """
-    num_experts: int
-    top_k: int
-    expert_mlp_dim: int
-    num_shared_experts: int = 0
-    router: Literal["softmax", "sigmoid"] = "softmax"
-    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
-    n_groups: int = 1
-    topk_groups: int = 1
-    routed_scaling: float = 1.0  # factor on the routed experts' weights
-    dense_layers: int = 0
-    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
-    aux_loss_weight: float = 0.01
-    bias_update_rate: float = 1e-3
-
-    def __post_init__(self):
-        w = "model.moe"
-        _positive(w, self, ("num_experts", "top_k", "expert_mlp_dim", "n_groups",
-                            "topk_groups", "routed_scaling"))
-        for name in ("num_shared_experts", "dense_layers", "aux_loss_weight",
-                     "bias_update_rate"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{w}.{name}={getattr(self, name)} must be >= 0")
-        if self.top_k > self.num_experts:
-            raise ConfigError(f"{w}.top_k={self.top_k} exceeds {w}.num_experts="
-                              f"{self.num_experts}; choose top_k <= num_experts")
-        if self.num_experts % self.n_groups:
-            raise ConfigError(f"{w}.n_groups={self.n_groups} does not divide {w}.num_experts="
-                              f"{self.num_experts}; choose a divisor")
-        if self.topk_groups > self.n_groups:
-            raise ConfigError(f"{w}.topk_groups={self.topk_groups} exceeds {w}.n_groups="
-                              f"{self.n_groups}")
-        reachable = self.topk_groups * (self.num_experts // self.n_groups)
-        if self.top_k > reachable:
-            raise ConfigError(f"{w}.top_k={self.top_k} exceeds the {reachable} experts of the "
-                              f"topk_groups={self.topk_groups} chosen groups; raise "
-                              f"{w}.topk_groups or lower top_k")
-        if self.balance == "bias" and self.bias_update_rate == 0:
-            raise ConfigError(f"{w}.balance='bias' needs {w}.bias_update_rate > 0; or choose "
-                              f"balance 'none'")
 
 
 @dataclass(frozen=True)
