@@ -148,7 +148,7 @@ def test_kernel_model_train_flops_and_optimizer_bytes():
     """The training kernels' matmul FLOPs are 6 x the matrices' parameters x tokens (no
     remat) and grow by one forward of the blocks under full remat; attention runs 3.5x
     its causal forward; the optimizer moves 8 parameter-dtype bytes per parameter."""
-    from jaxllm.plan.kernel_time import train_kernels
+    from jaxllm.plan.kernel_train import train_kernels
     rng = np.random.default_rng(0)
     for _ in range(3):
         L, d, hkv = int(rng.integers(1, 5)), 64 * int(rng.integers(1, 4)), int(rng.integers(1, 3))
@@ -181,7 +181,7 @@ def test_fused_decode_step_equals_a_hand_count():
     """A one-row decode step of a tiny bf16 model over a contiguous cache: five fused
     kernels a layer, each its bytes at the HBM rate plus the fixed cost, and the step's
     embedding, final norm (2), head and sampling kernels, counted here by hand."""
-    from jaxllm.plan.kernel_time import DECODE_STEP_KERNELS, inference_kernels
+    from jaxllm.plan.kernel_infer import DECODE_STEP_KERNELS, inference_kernels
     cfg = load_config("configs/tiny.yaml", ["model.dtype=bfloat16"])
     hw = dataclasses.replace(get_hardware("h200"), flops=1e30, hbm_bw=1e12, kernel_s=2e-6)
     d, L, hq, hkv, D, f, V, c = 128, 4, 4, 2, 32, 384, 258, 2

@@ -10,7 +10,8 @@ of a config.
     memory.py    per-device memory (training, KV cache)     comm.py     collectives per axis
     activations.py  what the backward reads, by layer kind  report.py   `plan`, the report
     roofline.py  intensity and times                        plot.py     the figures
-    kernel_time.py  times as sums of the kernels each workload launches
+    kernel_time.py  times as sums of the kernels each workload launches (counted in
+                    kernel_train.py and kernel_infer.py)
 """
 import sys
 import types

@@ -1,0 +1,180 @@
+"""The kernels of the decode program's prefill and decode steps, for `kernel_time.py`.
+
+Prefill and decode (`inference/step.py`: a Python loop over per-layer weights, already in
+the compute dtype, so no casts and no stacking): per dense layer the norm, one q/k/v
+matmul, RoPE of q and k, the cache writes of k and v, attention (prefill: the flash kernel
+over the prompt, after the v slice is made contiguous; decode: the decode kernel reading
+the live K/V), o, the residual, the norm, gate/up, SwiGLU, down, the residual; prefill's
+head runs over every prompt position (f32 logits). A step of one row over a contiguous
+cache (`params.fused_rows`) runs each layer in five fused kernels (q/k/v with norm, RoPE
+and cache write; attention; o with the residual; norm with gate/up and SwiGLU; down with
+the residual), each reading its weights. MLA decoding runs the absorbed form over the
+whole cache buffer (`LatentCache.attend`: scores, mask, softmax, the latent's value part
+sliced out, the values), MoE decoding the routed experts of `expert_ffn` with the grouped
+matmul reading the experts the batch's tokens choose. Each step adds the embedding, the
+final norm, the head, the sampling and the decode loop's own bookkeeping (DECODE_STEP_KERNELS).
+"""
+from __future__ import annotations
+
+from jaxllm.config import Config, ModelConfig
+from jaxllm.plan.activations import DTYPE_BYTES
+from jaxllm.plan.kernel_time import (ROUTING_KERNELS, SORT_KERNELS, Kernel, KernelTime,
+                                     attention_flops_fwd, attention_head_dims, heads, repeated)
+
+# Kernels a decode step launches outside the layers: the token's embedding gather, the
+# final norm (2), the head, the sample (an argmax or the sampler), the emitted / done /
+# position updates and the loop's counter and condition.
+DECODE_STEP_KERNELS = 8
+
+
+def _gemm(m_rows: int, k: int, n: int, c: float, what: str = "matmul",
+          out_bytes: float | None = None) -> Kernel:
+    out = m_rows * n * c if out_bytes is None else out_bytes
+    return Kernel(what, 1, 2 * m_rows * k * n, c * (m_rows * k + k * n) + out, "matmul",
+                  (m_rows, k, n))
+
+
+def _ew(what: str, nbytes: float, launches: int = 1) -> Kernel:
+    return Kernel(what, launches, bytes=nbytes / launches)
+
+
+def _norm(rows: int, dim: int, c: float) -> list[Kernel]:
+    x = rows * dim * c
+    return [Kernel("norm", 1, bytes=x), Kernel("norm", 1, bytes=2 * x)]
+
+
+def touched_experts(m: ModelConfig, tokens: int) -> float:
+    """Experts of one MoE layer that `tokens` tokens choose, on average (uniform routing)."""
+    e, k = m.moe.num_experts, m.moe.top_k
+    return e * (1 - (1 - k / e) ** tokens)
+
+
+def _ffn_kernels(m: ModelConfig, T: int, c: float, tp: int, moe: bool) -> list[Kernel]:
+    d = m.d_model
+    X = T * d * c
+    hq, hkv, f = heads(m, tp)
+    ks = _norm(T, d, c)
+    if moe:
+        e = m.moe
+        fe, R = e.expert_mlp_dim, T * e.top_k
+        TE = T * e.num_experts * 4
+        g = touched_experts(m, T)
+        w = g * d * fe  # the chosen experts' weights of one projection
+        ks += [_gemm(T, d, e.num_experts, c, out_bytes=TE),
+               _ew("routing", ROUTING_KERNELS * 2 * TE, ROUTING_KERNELS),
+               _ew("sort", 2 * SORT_KERNELS * 2 * R * 4 + 2 * R * 4, 2 * SORT_KERNELS + 2),
+               _ew("dispatch", 2 * R * d * c),
+               Kernel("grouped matmul", 2, 2 * R * d * fe, c * (R * d + w + R * fe), "gmm"),
+               _ew("elementwise", 3 * R * fe * c),
+               Kernel("grouped matmul", 1, 2 * R * d * fe, c * (R * fe + w + R * d), "gmm"),
+               _ew("dispatch", 2 * R * d * c + R * d * c + X, 2)]  # gather back, weighted sum
+        f = e.num_shared_experts * fe
+        if f:
+            ks.append(_ew("elementwise", 3 * X))  # + the shared experts' output
+    if f:
+        ks += [_gemm(T, d, 2 * f, c), _ew("elementwise", 3 * T * f * c), _gemm(T, f, d, c)]
+    return ks + [_ew("elementwise", 3 * X)]  # the residual
+
+
+def _gqa_layer(m: ModelConfig, B: int, S: int, ctx: int, c: float, tp: int, prefill: bool,
+               fused: bool, moe: bool) -> list[Kernel]:
+    d, hd = m.d_model, m.resolved_head_dim
+    hq, hkv, f = heads(m, tp)
+    T = B * S
+    X, Q, K = T * d * c, T * hq * hd * c, T * hkv * hd * c
+    kv_read = 2 * B * hkv * ctx * hd * c  # the live K/V of every row
+    if fused:  # the five fused kernels, each reading its weights
+        return [Kernel("matmul", 1, 2 * T * d * (hq + 2 * hkv) * hd,
+                       X + c * d * (hq + 2 * hkv) * hd + Q + 2 * K, "hbm"),
+                Kernel("attention", 1, bytes=kv_read + 2 * Q),
+                Kernel("matmul", 1, 2 * T * hq * hd * d, Q + c * hq * hd * d + 2 * X, "hbm"),
+                Kernel("matmul", 1, 2 * T * d * 2 * f, X + c * d * 2 * f + T * f * c, "hbm"),
+                Kernel("matmul", 1, 2 * T * f * d, T * f * c + c * f * d + 2 * X, "hbm")]
+    ks = _norm(T, d, c) + [_gemm(T, d, (hq + 2 * hkv) * hd, c), _ew("rope", 2 * (Q + K), 2),
+                           _ew("cache write", 4 * K, 2)]
+    if prefill:
+        ks += [_ew("copy", 2 * K),  # v made contiguous for the kernel
+               Kernel("attention", 1, attention_flops_fwd(m, B, S, S, hq), Q + 2 * K + Q,
+                      "attn_fwd")]
+    else:
+        ks.append(Kernel("attention", 1, 4 * B * hq * S * ctx * hd, kv_read + 2 * Q))
+    ks += [_gemm(T, hq * hd, d, c), _ew("elementwise", 3 * X)]
+    return ks + _ffn_kernels(m, T, c, tp, moe)
+
+
+def _mla_layer(m: ModelConfig, B: int, S: int, ctx: int, cache_len: int, c: float,
+               prefill: bool, moe: bool) -> list[Kernel]:
+    a, d, H = m.mla, m.d_model, m.n_heads
+    nope, rope, dv, r = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+    T = B * S
+    X, Q = T * d * c, T * H * a.qk_head_dim * c
+    ks = _norm(T, d, c)
+    q_in = d
+    if a.q_lora_rank:
+        ks += [_gemm(T, d, a.q_lora_rank, c), *_norm(T, a.q_lora_rank, c)]
+        q_in = a.q_lora_rank
+    ks += [_gemm(T, q_in, H * a.qk_head_dim, c), _ew("rope", 2 * T * H * rope * c),
+           _gemm(T, d, r + rope, c), *_norm(T, r, c), _ew("rope", 2 * T * rope * c),
+           _ew("cache write", 2 * T * (r + rope) * c)]
+    if prefill:
+        K = T * H * a.qk_head_dim * c
+        Vb = T * H * dv * c
+        ks += [_gemm(T, r, H * nope, c), _ew("elementwise", K + T * H * nope * c, 1),
+               _gemm(T, r, H * dv, c), _ew("elementwise", 2 * Q)]  # k, v; q's concatenate
+        dqk_p = attention_head_dims(m, padded=True)[0]
+        if dqk_p != a.qk_head_dim:  # the Triton kernel's padded q and k
+            ks.append(_ew("copy", 2 * (Q + K) * (1 + dqk_p / a.qk_head_dim) / 2, 2))
+        ks.append(Kernel("attention", 1, attention_flops_fwd(m, B, S, S, H), 2 * Q + 2 * Vb,
+                         "attn_fwd"))
+    else:
+        lat = B * cache_len * (r + rope) * c  # the whole buffer: the einsums read it all
+        sc = B * H * S * cache_len * 4
+        ks += [Kernel("matmul", 1, 2 * T * H * nope * r, c * (T * H * nope + H * nope * r
+                                                              + T * H * r)),  # q into the latent
+               _ew("elementwise", 2 * T * H * (r + rope) * c),  # [q_lat | q_rope]
+               Kernel("attention", 1, 2 * T * H * cache_len * (r + rope), lat + sc),  # scores
+               _ew("attention", 2 * sc),  # scale and mask
+               _ew("attention", 3 * sc, 3),  # softmax: max, sum, normalise (compute dtype)
+               _ew("copy", 2 * B * cache_len * r * c),  # the latent's value part
+               Kernel("attention", 1, 2 * T * H * cache_len * r, B * cache_len * r * c + sc / 2),
+               Kernel("matmul", 1, 2 * T * H * r * dv, c * (T * H * r + H * r * dv + T * H * dv))]
+    ks += [_gemm(T, H * dv, d, c), _ew("elementwise", 3 * X)]
+    return ks + _ffn_kernels(m, T, c, 1, moe)
+
+
+def inference_kernels(cfg: Config, batch: int, new: int, ctx: int, *, prefill: bool,
+                      tp: int = 1, fused: bool = False, cache_len: int | None = None
+                      ) -> KernelTime:
+    """The kernels of one call of `inference/step.py`'s `forward`: `batch` rows of `new`
+    tokens over `ctx` cached ones (prefill: new = the prompt), plus, for a decode step,
+    the sampling and the loop's bookkeeping."""
+    m = cfg.model
+    c = DTYPE_BYTES[m.dtype]
+    d = m.d_model
+    V = m.vocab_size // tp if m.vocab_size % tp == 0 else m.vocab_size
+    T = batch * new
+    n_moe = 0 if m.moe is None else m.n_layers - m.moe.dense_layers
+    cache_len = cache_len or ctx
+    ks: list[Kernel] = []
+    for moe, count in ((False, m.n_layers - n_moe), (True, n_moe)):
+        if not count:
+            continue
+        if m.mla is not None:
+            one = _mla_layer(m, batch, new, ctx, cache_len, c, prefill, moe)
+        else:
+            one = _gqa_layer(m, batch, new, ctx, c, tp, prefill, fused and not moe, moe)
+        ks += repeated(one, count)
+    ks += [_ew("embedding", 2 * T * d * c), *_norm(T, d, c),
+           _gemm(T, d, V, c, out_bytes=T * V * 4)]
+    if prefill:  # the cache's zeroing, the last position's logits and the sample
+        per_layer = (cache_len * (m.mla.latent_dim if m.mla is not None
+                                  else 2 * m.n_kv_heads * m.resolved_head_dim) * c)
+        ks += [Kernel("cache write", m.n_layers * (1 if m.mla is not None else 2),
+                      bytes=batch * per_layer / (1 if m.mla is not None else 2)),
+               _ew("sampling", batch * V * 4, 2)]
+    else:
+        ks.append(Kernel("sampling", DECODE_STEP_KERNELS - 4, bytes=batch * V * 4
+                         / (DECODE_STEP_KERNELS - 4)))
+    return KernelTime("prefill" if prefill else f"decode B={batch}", tuple(ks))
+
+
