@@ -135,12 +135,8 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
                 pools, out = fn(run.params, pools, out, dev)
             jax.block_until_ready(out)
         kernels = gpu_kernels(profile_dir)
-        agg = {}
-        for name, _, dur in kernels:
-            c = agg.setdefault(name[:60], [0, 0])
-            c[0], c[1] = c[0] + 1, c[1] + dur
         top = [{"kernel": n, "calls/step": c / 5, "us/step": d / 5e3}
-               for n, (c, d) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:15]]
+               for n, c, d in kernel_totals(kernels)[:15]]
         print_table(top, title=f"decode step, batch {batch}: top kernels "
                                f"(busy {busy_ns(kernels) / 5e3:.0f} us/step)")
     run.pools, run.last = pools, out
@@ -284,6 +280,16 @@ def host_alone(model, cfg, params, engine_kw: dict, prompts, outputs, profile: b
     return rows
 
 
+def kernel_totals(kernels) -> list[tuple[str, int, int]]:
+    """(name, calls, total ns) of each kernel name (its first 60 characters) in a trace's
+    (name, start, duration) list, the longest total first."""
+    agg: dict[str, list[int]] = {}
+    for name, _, dur in kernels:
+        c = agg.setdefault(name[:60], [0, 0])
+        c[0], c[1] = c[0] + 1, c[1] + dur
+    return sorted(((n, c, d) for n, (c, d) in agg.items()), key=lambda r: -r[2])
+
+
 @contextlib.contextmanager
 def device_trace(trace_dir: str | None, top: int = 12):
     """Trace the block's GPU kernels into trace_dir (when given); print the device's busy
@@ -296,16 +302,13 @@ def device_trace(trace_dir: str | None, top: int = 12):
     with jax.profiler.trace(trace_dir):
         yield
     wall, kernels = time.perf_counter() - t, gpu_kernels(trace_dir)
-    agg = {}
-    for name, _, dur in kernels:
-        c = agg.setdefault(name[:60], [0, 0])
-        c[0], c[1] = c[0] + 1, c[1] + dur
-    total = sum(d for _, d in agg.values())
+    totals = kernel_totals(kernels)
+    total = sum(d for _, _, d in totals)
     if not total:
         print("continuous batching, traced: no GPU kernels in the trace")
         return
     rows = [{"kernel": n, "calls": c, "s": d / 1e9, "% of kernel time": 100 * d / total}
-            for n, (c, d) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]]
+            for n, c, d in totals[:top]]
     print_table(rows, title=f"continuous batching, traced: the device busy {busy_ns(kernels) / 1e9:.2f} s "
                             f"of {wall:.2f} s (the trace slows the host), {len(kernels)} kernels")
 

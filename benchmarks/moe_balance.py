@@ -9,8 +9,8 @@ first logged step at which the expert load's max/mean (the worst MoE layer's) is
 1.2, max/mean at the end and averaged over the second half of the run, max/mean on the
 validation batches at the end (their expert loads summed over the batches), the router's
 entropy, the final training and validation loss. What to check: "bias" reaches
-max/mean <= 1.2 (in training and on the validation batches) within a few hundred steps and its validation loss is no worse than
-"aux_loss"'s.
+max/mean <= 1.2 (in training and on the validation batches) within a few hundred steps
+and its validation loss is no worse than "aux_loss"'s.
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 from jaxllm.config import Config, ModelConfig
 from jaxllm.plan.activations import DTYPE_BYTES
 from jaxllm.plan.kernel_time import (ROUTING_KERNELS, SORT_KERNELS, Kernel, KernelTime,
-                                     attention_flops_fwd, attention_head_dims, heads, repeated)
+                                     attention_flops_fwd, attention_head_dims, heads, repeated,
+                                     split)
 
 # Kernels a decode step launches outside the layers: the token's embedding gather, the
 # final norm (2), the head, the sample (an argmax or the sampler), the emitted / done /
@@ -151,7 +152,7 @@ def inference_kernels(cfg: Config, batch: int, new: int, ctx: int, *, prefill: b
     m = cfg.model
     c = DTYPE_BYTES[m.dtype]
     d = m.d_model
-    V = m.vocab_size // tp if m.vocab_size % tp == 0 else m.vocab_size
+    V = split(m.vocab_size, tp)
     T = batch * new
     n_moe = 0 if m.moe is None else m.n_layers - m.moe.dense_layers
     cache_len = cache_len or ctx

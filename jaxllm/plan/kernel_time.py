@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from jaxllm.config import Config, ModelConfig
-from jaxllm.plan.activations import DTYPE_BYTES, resolved_attention_impl
+from jaxllm.plan.activations import DTYPE_BYTES, heads_split, resolved_attention_impl
 from jaxllm.plan.hardware import Hardware
 
 ROUTING_KERNELS = 10  # sigmoid / softmax, group top-2, group top-k, mask, top-k, weights...
@@ -86,12 +86,16 @@ def repeated(kernels: list[Kernel], count: float) -> list[Kernel]:
             for k in kernels]
 
 
+def split(n: int, tp: int) -> int:
+    """n (heads, a width, the vocabulary) per device: n / tp, or all of n where tp does not
+    divide it (the rules' fallback: replicated)."""
+    return n // tp if n % tp == 0 else n
+
+
 def heads(m: ModelConfig, tp: int) -> tuple[int, int, int]:
-    """(query heads, kv heads, mlp width) per device."""
-    hq = m.n_heads // tp if m.n_heads % tp == 0 else m.n_heads
-    hkv = m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else hq
-    f = m.mlp_dim // tp if m.mlp_dim % tp == 0 else m.mlp_dim
-    return hq, hkv, f
+    """(query heads, kv heads, mlp width) per device (`activations.heads_split`)."""
+    hq, hkv = heads_split(m.n_heads, m.n_kv_heads, tp)
+    return int(hq), int(hkv), split(m.mlp_dim, tp)
 
 
 

@@ -51,7 +51,7 @@ from jaxllm.config import Config, ModelConfig
 from jaxllm.plan.activations import DTYPE_BYTES
 from jaxllm.plan.kernel_time import (ROUTING_KERNELS, SORT_KERNELS, Kernel, KernelTime,
                                      attention_flops_fwd, attention_head_dims, flash_impl,
-                                     heads, repeated)
+                                     heads, repeated, split)
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ def train_layer_ops(m: ModelConfig, rows: int, seq: int, tp: int = 1,
     if not moe:
         return ops + _mlp_ops(T, d, f, c)
     e = m.moe
-    k, fe = e.top_k, e.expert_mlp_dim // tp if e.expert_mlp_dim % tp == 0 else e.expert_mlp_dim
+    k, fe = e.top_k, split(e.expert_mlp_dim, tp)
     R = T * k  # assignments
     RD, RF, TE = R * d * c, R * fe * c, T * e.num_experts * 4
     ops += [Op("router", "matmul", TE, ("none", "dots"), ("norm2",), (T, d, e.num_experts)),
@@ -269,7 +269,7 @@ def train_kernels(cfg: Config, rows: int, seq: int, sizes: dict[str, int] | None
     L = m.n_layers if layers is None else layers
     n_moe = 0 if m.moe is None else min(L, m.n_layers - m.moe.dense_layers)
     T, d = rows * seq, m.d_model
-    V = m.vocab_size // tp if m.vocab_size % tp == 0 else m.vocab_size
+    V = split(m.vocab_size, tp)
     X = T * d * c
     ks: list[Kernel] = []
     impl = flash_impl(m)
