@@ -18,6 +18,10 @@ The config's model with random weights (speed does not depend on them), bf16 on 
   `Engine.generate`, and as static batches of --batch through `generate_ids` (compile
   excluded: each batch is compiled before it is timed; a batch runs to its longest output
   and only each request's own output counts). Output tokens/s and median / p99 E2E.
+- a page pool too small (--small-pool F, default 4): the same workload with a pool F times
+  smaller than the pages its max_num_seqs longest requests hold at their full length; every
+  request must complete ("complete" counts those that reached their length), preempted and
+  recomputed as pages run out ("preemptions").
 - prefix caching: --prefix-requests requests sharing a --prefix-len-token prefix, sent one
   after another, with prefix caching on and off: median TTFT.
 - --host-only: the continuous-batching runs alone, through stand-in steps that skip the model
@@ -107,7 +111,7 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         t = time.perf_counter()
         np.asarray(run.run(b))
         walls.append(time.perf_counter() - t)
-    fn = run._compiled[("step", b.tokens.shape[0], False)]
+    fn = run._fn("step", b, False)
     dev = jax.device_put(b.pack())
     pools, out = fn(run.params, run.pools, run.last, dev)
     jax.block_until_ready(out)
@@ -120,7 +124,7 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
     per_window_step = None
     if window > 1:  # the same rows as a decode window: the device time of one of its steps
         b.window[:batch] = window
-        wfn, wdev = run._compiled[("window", b.tokens.shape[0], False)], jax.device_put(b.pack())
+        wfn, wdev = run._fn("window", b, False), jax.device_put(b.pack())
         pools, _, out = wfn(run.params, pools, out, wdev)
         jax.block_until_ready(out)
         t = time.perf_counter()
@@ -164,12 +168,13 @@ def workload(n: int, prompt_len, output_len, vocab: int, seed: int = 0):
 def continuous(engine: Engine, prompts, outputs) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
     t0 = time.perf_counter()
-    e2e, n_out = [], 0
+    e2e, n_out, complete = [], 0, 0
     before = engine.stats()
     for out in engine.generate(prompts, params):
         if out.finished:
             e2e.append(out.finish_time - t0)
             n_out += out.completion_tokens
+            complete += out.finish_reason == "length"
     total = time.perf_counter() - t0
     after = engine.stats()
     steps = after["steps"] - before["steps"]
@@ -179,13 +184,38 @@ def continuous(engine: Engine, prompts, outputs) -> dict:
           f"{host['wait_s']:.2f} ms, outputs {host['collect_s']:.2f} ms", flush=True)
     return {"case": f"continuous batching (engine, {engine.config.max_num_seqs} seqs, "
                     f"window {engine.config.decode_window})",
-            "requests": len(prompts), "steps": steps,
+            "requests": len(prompts), "complete": complete, "steps": steps,
             "dispatch ms": host["dispatch_s"], "wait ms": host["wait_s"],
             "outputs ms": host["collect_s"],
             "output tok/s": n_out / total, "median E2E s": statistics.median(e2e),
             "p99 E2E s": float(np.percentile(e2e, 99)), "total s": total,
             "preemptions": after["preemptions"] - before["preemptions"],
             "compiles": after["compiles_since_start"] - before["compiles_since_start"]}
+
+
+def fresh_scheduler(engine: Engine, num_pages: int | None = None) -> None:
+    """Give the engine a new scheduler (an empty prefix cache) over the first `num_pages`
+    pages of its pool (default: all of them); the compiled steps are kept."""
+    c = engine.config
+    engine.scheduler = Scheduler(
+        num_pages=num_pages or engine.num_pages, page_size=c.page_size,
+        max_pages_per_seq=engine.max_pages_per_seq, max_num_seqs=c.max_num_seqs,
+        max_num_batched_tokens=c.max_num_batched_tokens, prefix_caching=c.prefix_caching)
+
+
+def small_pool(engine: Engine, prompts, outputs, factor: int) -> dict:
+    """The workload through a page pool `factor` times too small for it: the pages its
+    max_num_seqs longest requests hold at their full length, divided by `factor` (at least
+    one full request). Every request must still complete, by preemption and recompute."""
+    page, n = engine.config.page_size, engine.config.max_num_seqs
+    need = sorted((-(-(len(p) + o) // page) for p, o in zip(prompts, outputs)), reverse=True)
+    pages = max(need[0], sum(need[:n]) // factor)
+    fresh_scheduler(engine, pages)
+    row = continuous(engine, prompts, outputs)
+    row["case"] = (f"continuous, page pool {factor}x too small ({pages} of the {sum(need[:n])} "
+                   f"pages the load holds)")
+    fresh_scheduler(engine)
+    return row
 
 
 def static(params, prompts, outputs, batch: int) -> dict:
@@ -344,6 +374,9 @@ def main(argv=None):
     ap.add_argument("--profile", metavar="DIR", help="trace the decode step and the last "
                     "continuous-batching run; print their kernels")
     ap.add_argument("--only-step", action="store_true", help="the decode step alone")
+    ap.add_argument("--small-pool", type=int, default=4, metavar="F",
+                    help="also run the workload with a page pool F times too small for it "
+                         "(0: not run; default 4)")
     ap.add_argument("--host-profile", action="store_true",
                     help="profile the host (cProfile) in the last continuous run and the "
                          "prefix-cache run; print the top functions")
@@ -393,15 +426,14 @@ def main(argv=None):
         rows.append(continuous(engine, prompts, outputs))
         print(rows[-1], flush=True)
         engine.config = dataclasses.replace(engine.config, decode_window=window)
-        engine.scheduler = Scheduler(  # an empty prefix cache: the same prompts come again
-            num_pages=engine.num_pages, page_size=engine.config.page_size,
-            max_pages_per_seq=engine.max_pages_per_seq, max_num_seqs=engine.config.max_num_seqs,
-            max_num_batched_tokens=engine.config.max_num_batched_tokens,
-            prefix_caching=engine.config.prefix_caching)
+        fresh_scheduler(engine)  # an empty prefix cache: the same prompts come again
     with host_profile(args.host_profile, "continuous batching"), \
             device_trace(args.profile and os.path.join(args.profile, "continuous")):
         rows.append(continuous(engine, prompts, outputs))
     print(rows[-1], flush=True)
+    if args.small_pool:
+        rows.append(small_pool(engine, prompts, outputs, args.small_pool))
+        print(rows[-1], flush=True)
     del engine  # its page pool
     gc.collect()
     rows.append(static(params, prompts, outputs, args.batch))

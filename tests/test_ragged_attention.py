@@ -186,6 +186,26 @@ def test_default_splits_follow_the_rule(monkeypatch):
     assert splits(512) == {8: 1, 32: 1}
 
 
+def test_decode_steps_promised_as_such_run_the_decode_launch_alone():
+    """max_q_len=1 on a decode-only step (contexts 0, 1, page-1, page, page+1, long, GQA 4,
+    padding sequences and rows): one launch, no partials to merge, equal to the reference
+    and to the kernel without the promise, reading nothing it should not."""
+    args, clean = _case(11, [(c, 1) for c in (0, 1, P - 1, P, P + 1, 37, 9)], page=P, hq=8,
+                        hkv=2, pad_rows=3, pad_seqs=2)
+    kernel = functools.partial(ragged_triton.ragged_paged_attention, sm_scale=0.3, small_q=2,
+                               block_q=3, block_k=4, interpret=True)
+    out = np.asarray(kernel(*args, max_q_len=1))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, reference.ragged_paged_attention(*clean, sm_scale=0.3),
+                               atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(out, np.asarray(kernel(*args)))
+    jaxpr = str(jax.make_jaxpr(functools.partial(kernel, max_q_len=1))(*args))
+    assert len(re.findall(r"name=ragged_paged_p", jaxpr)) == 1, "one launch"
+    assert len(re.findall(r"name=ragged_paged_p", str(jax.make_jaxpr(kernel)(*args)))) == 2
+    with pytest.raises(ValueError, match="max_q_len=0"):
+        kernel(*args, max_q_len=0)
+
+
 def test_layer_stack_is_read_in_place_at_the_named_layer():
     _, (q, k, v, tables, kv_lens, q_starts) = _case(
         4, [(5, 1), (0, 7), (9, 3)], page=8, hq=8, hkv=2, pad_rows=1)

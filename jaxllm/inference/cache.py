@@ -261,13 +261,16 @@ class RaggedPagedCache(NamedTuple):
     slots int32 [T]: each new token's flat pool slot (out of range for padding: dropped);
     block_tables int32 [N, W], kv_lens int32 [N] (cached tokens of each sequence, the new
     ones included) and q_starts int32 [N + 1] (its new tokens' rows) are those of
-    `kernels.ragged_paged_attention`."""
+    `kernels.ragged_paged_attention`; max_q_len (a Python int or None) its promise that no
+    sequence has more new tokens (1: a decode window's steps, which then skip the kernel's
+    prefill work)."""
     k: jax.Array  # [L, Hkv, P, page, D]
     v: jax.Array
     slots: jax.Array
     block_tables: jax.Array
     kv_lens: jax.Array
     q_starts: jax.Array
+    max_q_len: int | None = None
 
     def write(self, layer: int, k, v, positions) -> "RaggedPagedCache":
         k_pool, v_pool = write_layer(self.k, self.v, layer, k[0], v[0], self.slots)
@@ -279,7 +282,8 @@ class RaggedPagedCache(NamedTuple):
             raise ValueError("the paged cache has no sliding-window attention; use the "
                              "contiguous cache for models with model.sliding_window")
         o = ragged_paged_attention(q[0].astype(self.k.dtype), self.k, self.v,
-                                   self.block_tables, self.kv_lens, self.q_starts, layer=layer)
+                                   self.block_tables, self.kv_lens, self.q_starts, layer=layer,
+                                   max_q_len=self.max_q_len)
         return o[None]
 
 

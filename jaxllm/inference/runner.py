@@ -129,22 +129,26 @@ def pool_shapes(cfg, n_layers: int, num_pages: int, page_size: int) -> tuple[tup
     return ((n_layers, cfg.n_kv_heads, num_pages, page_size, cfg.resolved_head_dim),) * 2
 
 
-def _cache(params: DecodeParams, pools: tuple, b: StepBatch):
+def _cache(params: DecodeParams, pools: tuple, b: StepBatch, max_q_len: int | None):
     if params.cfg.mla is not None:
         return RaggedLatentCache(pools[0], b.slots, b.block_tables, b.kv_lens, b.q_starts,
                                  rank=params.cfg.mla.kv_lora_rank)
-    return RaggedPagedCache(*pools, b.slots, b.block_tables, b.kv_lens, b.q_starts)
+    return RaggedPagedCache(*pools, b.slots, b.block_tables, b.kv_lens, b.q_starts,
+                            max_q_len=max_q_len)
 
 
 def _pools(cache) -> tuple:
     return (cache.c,) if isinstance(cache, RaggedLatentCache) else (cache.k, cache.v)
 
 
-def _sample(params: DecodeParams, pools: tuple, tokens, b: StepBatch, banned, sampled: bool):
+def _sample(params: DecodeParams, pools: tuple, tokens, b: StepBatch, banned, sampled: bool,
+            max_q_len: int | None = None):
     """The tokens through the model, writing their K/V (or latents); one sample per sequence
     (the argmax of each when no row samples: `sampled` is the host's, so nothing branches on
-    the device, where a branch would hold the host until the step's logits exist)."""
-    h, cache = hidden_states(params, tokens[None], b.positions[None], _cache(params, pools, b))
+    the device, where a branch would hold the host until the step's logits exist).
+    max_q_len: no sequence runs more tokens (a decode window's steps: 1)."""
+    h, cache = hidden_states(params, tokens[None], b.positions[None],
+                             _cache(params, pools, b, max_q_len))
     out = logits(params, h[:, b.sample_at])[0]  # (N, V) float32
     rows = jnp.arange(out.shape[0])[:, None]
     out = out.at[rows, banned].set(-jnp.inf, mode="drop")
@@ -188,7 +192,7 @@ def _window(params: DecodeParams, pools: tuple, previous, buf, layout, sampled: 
                                  kv_lens=jnp.where(b.kv_lens > 0, b.kv_lens + advance, 0),
                                  draw=b.draw + j)
         banned = jnp.where(j < b.ban_steps[:, None], b.banned, params.cfg.vocab_size)
-        pools, drawn = _sample(params, pools, tokens, bj, banned, sampled)
+        pools, drawn = _sample(params, pools, tokens, bj, banned, sampled, max_q_len=1)
         return (pools, drawn[seq_of_row]), drawn
 
     (pools, _), samples = jax.lax.scan(body, (pools, _inputs(b, previous)), jnp.arange(steps))

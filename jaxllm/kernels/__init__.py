@@ -106,7 +106,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     k_pages/v_pages [Hkv, P, page, D], or [L, Hkv, P, page, D] with `layer` (int or traced
     int32 scalar; read in place, no slicing copy). block_tables int32 [S, W]; token t of s is
     in page block_tables[s, t // page] at offset t % page. Hq % Hkv == 0. -> [T, Hq, D] in
-    q's dtype. Extra keyword arguments (block sizes) go to the chosen implementation.
+    q's dtype. `max_q_len=n` (a static int) promises that no sequence has more than n new
+    tokens, so an implementation may leave out its work for longer ones (a decode step:
+    n = 1). Extra keyword arguments (block sizes) go to the chosen implementation.
     """
     _check_pages("ragged_paged_attention", "[T, Hq, D]", q, k_pages, v_pages, layer)
     if block_tables.ndim != 2 or kv_lens.shape != (block_tables.shape[0],):

@@ -87,7 +87,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: flo
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts, *,
-                           sm_scale: float | None = None, layer=None):
+                           sm_scale: float | None = None, layer=None,
+                           max_q_len: int | None = None):
     """Mixed prefill/decode attention of a flat token batch over a paged KV cache.
 
     q [T, Hq, D]: sequence s's new tokens are rows q_starts[s] .. q_starts[s+1] - 1; they
@@ -95,7 +96,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     0 .. kv_lens[s] - q_len + i. Rows at or past q_starts[S] give zeros. k/v pages
     [Hkv, P, page, D] (or [L, ...] with `layer`); block_tables [S, W]. One sequence at a
     time (a scan over S): its keys against every row, kept only for the rows it owns.
+    max_q_len is the kernels' hint (no sequence has more new tokens) and changes nothing.
     """
+    del max_q_len
     if layer is not None:
         k_pages, v_pages = k_pages[layer], v_pages[layer]
     t, hq, d = q.shape

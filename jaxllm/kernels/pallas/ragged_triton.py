@@ -279,16 +279,22 @@ def _launch(o, parts, q, k_flat, v_flat, layer, q_starts, kv_lens, tables, *,
     return (out, parts) if kv_splits == 1 else (o, tuple(out))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "small_q", "block_q", "block_k",
-                                             "kv_splits", "num_warps", "num_stages",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "max_q_len", "small_q", "block_q",
+                                             "block_k", "kv_splits", "num_warps",
+                                             "num_stages", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts, *,
-                           sm_scale: float, layer=None, small_q: int | None = None,
+                           sm_scale: float, layer=None, max_q_len: int | None = None,
+                           small_q: int | None = None,
                            block_q: int | None = None, block_k: int | None = None,
                            kv_splits: int | tuple[int, int] | None = None, num_warps: int = 4,
                            num_stages: int = 3, interpret: bool | None = None):
     """q [T, Hq, D]; k/v pages [Hkv, P, page, D] (or [L, Hkv, P, page, D] with `layer`, read
     in place); block_tables [S, W]; kv_lens [S]; q_starts [S + 1] -> [T, Hq, D].
+
+    max_q_len: the caller's promise that no sequence has more new tokens (None: up to T);
+    at most small_q (a decode step, a decode window) runs the decode launch alone, without
+    the prefill launch, its block numbers and its partials. A longer sequence's rows are
+    then left as zeros.
 
     small_q: sequences of at most this many new tokens run in the decode launch, in blocks
     of that many tokens (default: as many as fit 16 rows, 16 // G, at least 1);
@@ -332,7 +338,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_starts,
     sm_count = _sm_count()
     # (block_q, q_len range, block_k, the largest plausible number of real blocks)
     launches = [(small_q, 1, small_q, block_k or 128, min(n_seqs, t))]  # decode, verify
-    if t > small_q:  # prefill chunks
+    if max_q_len is not None and max_q_len < 1:
+        raise ValueError(f"max_q_len={max_q_len} must be >= 1 (or None)")
+    if t > small_q and (max_q_len is None or max_q_len > small_q):  # prefill chunks
         launches.append((block_q, small_q + 1, t, block_k or 64,
                          t // block_q + min(n_seqs, t // (small_q + 1))))
     splits = [given or _pick_splits(n, kv_heads, t, sm_count)
