@@ -52,6 +52,20 @@ def compile_count() -> int:
     return _COMPILED[0]
 
 
+def _token_ids(prompt_ids) -> np.ndarray:
+    """Token ids (a list or array of integers) as int64 [n]; ValueError for anything else."""
+    ids = np.asarray(prompt_ids)
+    if ids.dtype.kind in "iu" and ids.ndim == 1:
+        return ids.astype(np.int64, copy=False)
+    if ids.ndim == 1 and ids.dtype == object:  # Python ints past int64, or mixed objects
+        try:
+            return np.asarray([int(t) for t in prompt_ids], np.int64)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"prompt token ids must be integers: {e}") from None
+    raise ValueError(f"prompt token ids must be a flat sequence of integers; got "
+                     f"{ids.dtype} of shape {ids.shape}")
+
+
 @dataclasses.dataclass(eq=False)
 class _Live:
     """A request's output state: text so far, the part already sent; its stop ids, the
@@ -121,11 +135,13 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams; got {type(params).__name__}")
         vocab = self.model_config.vocab_size
-        if len(prompt_ids) == 0:
+        ids = _token_ids(prompt_ids)
+        if len(ids) == 0:
             raise ValueError("the prompt must hold at least one token")
-        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if len(bad):
+            raise ValueError(f"prompt token ids {bad[:5].tolist()} lie outside the vocabulary "
+                             f"[0, {vocab})")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"the prompt's {len(prompt_ids)} tokens + max_tokens "
@@ -145,8 +161,9 @@ class Engine:
         """Queue a request; returns its id. Raises ValueError for a bad request and
         QueueFullError when inference.engine.max_waiting requests already wait."""
         params = SamplingParams() if params is None else params
-        prompt_ids = [int(t) for t in prompt_ids]
-        self.check_request(prompt_ids, params)
+        ids = _token_ids(prompt_ids)
+        self.check_request(ids, params)
+        prompt_ids = ids.tolist()
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting "
                                  f"(inference.engine.max_waiting={self.config.max_waiting})")
