@@ -65,14 +65,30 @@ def test_training_lowers_loss(corpus, tmp_path):
 
 
 def test_resume_continues_identically(corpus, tmp_path):
+    """Stopped on a periodic save, between two, and on the last step (by stop_at and a
+    signal at once), a run saves once at each stop and logs an uninterrupted run's losses."""
+    import os
+    import signal
+    from jaxllm.checkpoint import Checkpointer
+    from jaxllm.train.trainer import sharding_plan
     common = ["train.steps=12", "train.log_every=1", "train.eval_every=100",
               "checkpoint.every=5", "train.lr=5e-3"]
     full = _cfg(corpus, tmp_path / "a", *common)
     train(full)
     part = _cfg(corpus, tmp_path / "b", *common)
-    assert train(part, stop_at=6)["step"] == 6  # stops at 6, between two periodic saves
-    summary = train(part)  # resumes from step 6
-    assert summary["step"] == 12
+    saved = lambda: Checkpointer(tmp_path / "b" / "run", read_only=True).all_steps()
+    assert train(part, stop_at=5)["step"] == 5 and saved() == [5]
+    assert train(part, stop_at=8)["step"] == 8 and saved() == [5, 8]
+    put, calls = sharding_plan(part).place_batch, []
+
+    def place(batch):  # SIGTERM while the last step's batch (step 12, resumed at 8) is placed
+        calls.append(1)
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return put(batch)
+
+    summary = train(part, stop_at=12, place_batch=place)
+    assert summary["interrupted"] and summary["step"] == 12 and saved() == [8, 10, 12]
     losses = lambda d: [json.loads(l)["loss"] for l in open(d / "run" / "metrics.jsonl")]
     np.testing.assert_allclose(losses(tmp_path / "b"), losses(tmp_path / "a"), rtol=1e-6)
 

@@ -363,7 +363,7 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
     peak = device_peak_flops()
     flops_per_token = cfg.model.flops_per_token(t.seq_len)
     tokens_per_step = t.batch_size * t.seq_len
-    pending, last_saved = [], start
+    pending = []
     interrupted, last_loss, eval_loss = False, float("nan"), None
     tick, tick_step = time.perf_counter(), start
 
@@ -394,8 +394,12 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
                 step += 1
                 is_log = step % t.log_every == 0 or step == t.steps
                 is_eval = step % t.eval_every == 0 or step == t.steps
-                is_save = step % cfg.checkpoint.every == 0 or step == t.steps
-                if is_log or is_save or flag.stop or step == stop_at:
+                # A stop (a signal, read once here, or stop_at) saves as a periodic save
+                # does: once, even where it lands on a checkpoint step.
+                signalled = flag.stop
+                stopping = signalled or (stop_at is not None and step >= stop_at)
+                is_save = step % cfg.checkpoint.every == 0 or step == t.steps or stopping
+                if is_log or is_save:
                     last_loss = check_finite(step)
                 if is_log:
                     now = time.perf_counter()
@@ -410,16 +414,13 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
                         eval_loss = rec["eval_loss"]
                     logger.record(rec)
                     tick, tick_step = time.perf_counter(), step
-                if (is_save or flag.stop) and cfg.checkpoint.enabled:
+                if is_save and cfg.checkpoint.enabled:
                     ckpt.save(step, params, opt_state, force=True)
-                    last_saved = step
-                if stop_at is not None and step >= stop_at and not flag.stop:
-                    if cfg.checkpoint.enabled:
-                        ckpt.save(step, params, opt_state, force=True)
-                    break
-                if flag.stop:
+                if signalled:
                     interrupted = True
-                    logger.print(f"stopped by {flag.signal_name} at step {step}; checkpoint saved")
+                    saved = "checkpoint saved" if cfg.checkpoint.enabled else "no checkpoint"
+                    logger.print(f"stopped by {flag.signal_name} at step {step}; {saved}")
+                if stopping:
                     break
     finally:
         ckpt.close()
