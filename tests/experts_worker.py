@@ -1,6 +1,8 @@
 """Runs the expert-parallel layouts of tests/test_experts.py in a fresh process.
 
     python tests/experts_worker.py OUT   # one device + every layout -> OUT/<name>.npz
+    python tests/experts_worker.py multihost OUT PID PORT  # one of 2 processes, 4 devices
+                                         # each: the MULTIHOST layouts -> OUT/multihost_*
 
 Its own process, as tests/sharding_worker.py, so that XLA compiles without backend
 optimisation (3x faster compiles on the CPU; the numbers are the same to float tolerance).
@@ -9,9 +11,12 @@ batch, or the traceback ("error") of a layout that failed.
 """
 from __future__ import annotations
 
+import json
 import sys
 import traceback
 from pathlib import Path
+
+import processes
 
 # one MoE layer (8 experts, top-2, the selection bias), small enough to compile fast
 MODEL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.n_layers=1",
@@ -24,6 +29,16 @@ LAYOUTS = {  # ep alone, with fsdp and tp (the expert width split), with dp; no 
                       "parallelism.tp=2"],
     "ep4_dp2": ["parallelism.dp=2", "parallelism.ep=4"],
     "dp4_tp2": ["parallelism.dp=4", "parallelism.tp=2"],  # every expert on each device
+}
+# 2 processes x 4 devices. The mesh spreads its outermost axis larger than 1 over the hosts
+# and keeps the inner ones inside a host: ep spans them in ep8 and ep4_tp2, fsdp and dp
+# in the other two layouts, whose ep groups stay inside a host. {name: (overrides, the
+# axis across the hosts)}
+MULTIHOST = {
+    "ep8": (LAYOUTS["ep8"], "ep"),
+    "ep4_tp2": (["parallelism.dp=1", "parallelism.ep=4", "parallelism.tp=2"], "ep"),
+    "ep2_fsdp2_tp2": (LAYOUTS["ep2_fsdp2_tp2"], "fsdp"),
+    "ep4_dp2": (LAYOUTS["ep4_dp2"], "dp"),
 }
 
 
@@ -44,32 +59,72 @@ def loss_and_grads(plan, params, batch) -> dict:
     step = jax.jit(traced_in(plan.context, fn), in_shardings=(plan.params, plan.batch),
                    out_shardings=(plan.replicated, plan.shardings("grads")))
     loss, grads = step(jax.device_put(params, plan.params), plan.place_batch(batch))
-    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(grads))[0]
+    flat = jax.tree_util.tree_flatten_with_path(processes.fetch(grads))[0]
     return {"loss": np.asarray(loss), **{jax.tree_util.keystr(p): g for p, g in flat}}
 
 
-def run(out: Path):
+def single_device():
+    """(the one-device plan, its initial parameters on the host, the batch: 8 rows)."""
     import jax
     import numpy as np
 
     from jaxllm.train.trainer import sharding_plan
 
     tokens = np.random.default_rng(0).integers(0, 258, size=(8, 17)).astype(np.int32)
+    plan = sharding_plan(config(["parallelism.dp=1"]), jax.local_devices()[:1])
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    single = sharding_plan(config(["parallelism.dp=1"]), jax.devices()[:1])
-    params = jax.device_get(single.init_params())
+    return plan, jax.device_get(plan.init_params()), batch
+
+
+def layout(overrides):
+    """The plan of a layout, checked to put the experts ([L, E, d, f]) on ep."""
+    from jaxllm.train.trainer import sharding_plan
+
+    plan = sharding_plan(config(overrides))
+    ep = plan.mesh.shape["ep"]
+    assert plan.params["blocks"]["mlp"]["gate"].spec[1] == ("ep" if ep > 1 else None)
+    return plan
+
+
+def run(out: Path):
+    import numpy as np
+
+    single, params, batch = single_device()
     np.savez(out / "single.npz", **loss_and_grads(single, params, batch))
     for name, overrides in LAYOUTS.items():
         try:
-            plan = sharding_plan(config(overrides))
-            # [L, E, d, f]: the experts on ep
-            ep = plan.mesh.shape["ep"]
-            assert plan.params["blocks"]["mlp"]["gate"].spec[1] == ("ep" if ep > 1 else None)
-            np.savez(out / f"{name}.npz", **loss_and_grads(plan, params, batch))
+            np.savez(out / f"{name}.npz", **loss_and_grads(layout(overrides), params, batch))
         except Exception:  # reported by the test of this layout
             np.savez(out / f"{name}.npz", error=traceback.format_exc())
 
 
+def run_multihost(out: Path, pid: int, port: int):
+    """Process `pid` of 2: every MULTIHOST layout, each process loading its block of the
+    batch rows. Process 0 writes multihost_<name>.npz and multihost.json (the mesh-shaped
+    process index of each device, per layout). A failure ends the process (its peer is
+    stopped by the test)."""
+    import jax
+    import numpy as np
+
+    processes.join(pid, port)
+    _, params, batch = single_device()  # on each process's first device: the same values
+    hosts = {}
+    for name, (overrides, _) in MULTIHOST.items():
+        plan = layout(overrides)
+        block, blocks = plan.data_shard()
+        mine = {k: np.split(v, blocks)[block] for k, v in batch.items()}
+        result = loss_and_grads(plan, params, mine)
+        hosts[name] = processes.hosts(plan.mesh)
+        if pid == 0:
+            np.savez(out / f"multihost_{name}.npz", **result)
+    if pid == 0:
+        (out / "multihost.json").write_text(json.dumps(hosts))
+    jax.distributed.shutdown()
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    run(Path(sys.argv[1]))
+    if sys.argv[1] == "multihost":
+        run_multihost(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        run(Path(sys.argv[1]))

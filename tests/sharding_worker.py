@@ -16,6 +16,8 @@ import time
 import traceback
 from pathlib import Path
 
+import processes
+
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
          "model.mlp_dim=64", "model.remat=none", "train.batch_size=8", "train.seq_len=16",
          "train.lr=3e-3", "train.warmup_steps=1", "train.steps=10"]
@@ -80,10 +82,7 @@ def run_layout(overrides, devices=None, host_params=None, rows=slice(None)):
         params, opt_state, metrics = fns.step(params, opt_state, batch)
         record["losses"].append(float(metrics["loss"]))
         record["grad_norms"].append(float(metrics["grad_norm"]))
-    state = {"params": params, "opt_state": opt_state}
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        state = multihost_utils.process_allgather(state, tiled=True)
+    state = processes.fetch({"params": params, "opt_state": opt_state})
     flat = {jax.tree_util.keystr(p): np.asarray(x)
             for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
     return record, flat, plan
@@ -178,16 +177,13 @@ def run_multihost(out: Path, pid: int, port: int, overrides=MULTIHOST, rows=None
     import jax
     import numpy as np
 
-    from jaxllm.sharding import initialize_distributed
-
-    initialize_distributed(f"localhost:{port}", 2, pid)
-    assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
+    processes.join(pid, port)
     rows = slice(4 * pid, 4 * pid + 4) if rows is None else rows
     record, flat, plan = run_layout(overrides, rows=rows)
     if pid == 0:
         np.savez(out / "multihost.npz", **flat)
-        hosts = np.vectorize(lambda d: d.process_index)(plan.mesh.devices)  # mesh-shaped
-        (out / "multihost.json").write_text(json.dumps({**record, "hosts": hosts.tolist()}))
+        hosts = processes.hosts(plan.mesh)
+        (out / "multihost.json").write_text(json.dumps({**record, "hosts": hosts}))
     jax.distributed.shutdown()
 
 

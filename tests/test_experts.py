@@ -1,11 +1,9 @@
 """Expert parallelism (sharding/experts.py): the all-to-all form of the MoE layer against the
 one-device expert_ffn (both exchanges, skewed load), the tiny MoE model's loss and gradients
 under ep alone, ep x fsdp x tp, ep x dp and dp x tp (no ep: every device its own tokens)
-against one device, and its config errors."""
-import os
-import subprocess
-import sys
-from pathlib import Path
+against one device, the same over 2 processes x 4 devices (ep across them, and ep inside
+each with fsdp or dp across them), and its config errors."""
+import json
 
 import chex
 import jax
@@ -17,12 +15,11 @@ from jax import lax
 import experts_worker as worker
 from jaxllm.config import ConfigError, ParallelismConfig, load_config
 from jaxllm.model.moe import expert_ffn
-from jaxllm.sharding import Rules, make_mesh
+from jaxllm.sharding import AXES, Rules, make_mesh
 from jaxllm.sharding import experts
 from jaxllm.sharding.constrain import ShardingContext, active
 from jaxllm.train.trainer import sharding_plan
-
-ROOT = Path(__file__).resolve().parents[1]
+from processes import run, two_hosts
 
 
 def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
@@ -85,24 +82,43 @@ def test_all_to_all_equals_one_device(exchange, monkeypatch):
 def layouts(tmp_path_factory):
     """Loss and gradients of one device and of every layout, from tests/experts_worker.py."""
     out = tmp_path_factory.mktemp("experts")
-    flags = ("--xla_force_host_platform_device_count=8 "
-             "--xla_backend_optimization_level=0")
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, worker.__file__, str(out)], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
+    run(worker.__file__, out, timeout=600)
     return out
 
 
-@pytest.mark.parametrize("name", list(worker.LAYOUTS))
-def test_layout_gives_one_device_loss_and_grads(layouts, name):
-    want, have = np.load(layouts / "single.npz"), np.load(layouts / f"{name}.npz")
+def _assert_like_one_device(want, have):
     assert "error" not in have, str(have["error"])
     assert set(want) == set(have)
     np.testing.assert_allclose(have["loss"], want["loss"], rtol=2e-6)
     for key in want:
         scale = np.abs(want[key]).max() + 1e-30
         np.testing.assert_allclose(have[key] / scale, want[key] / scale, atol=2e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("name", list(worker.LAYOUTS))
+def test_layout_gives_one_device_loss_and_grads(layouts, name):
+    _assert_like_one_device(np.load(layouts / "single.npz"), np.load(layouts / f"{name}.npz"))
+
+
+@pytest.fixture(scope="module")
+def two_host_layouts(tmp_path_factory):
+    """The MULTIHOST layouts' results from 2 worker processes of 4 devices each."""
+    out = tmp_path_factory.mktemp("experts_multihost")
+    two_hosts(worker.__file__, out, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("name", list(worker.MULTIHOST))
+def test_two_hosts_give_one_device_loss_and_grads(layouts, two_host_layouts, name):
+    """The layout's mesh puts its named axis across the 2 processes and every other axis
+    inside one; its loss and gradients are those of one device."""
+    hosts = np.array(json.loads((two_host_layouts / "multihost.json").read_text())[name])
+    axis = AXES.index(worker.MULTIHOST[name][1])
+    by_axis = np.moveaxis(hosts, axis, 0).reshape(hosts.shape[axis], -1)  # [axis, the rest]
+    half = len(by_axis) // 2  # the first half of the axis on process 0, the rest on 1
+    assert (by_axis[:half] == 0).all() and (by_axis[half:] == 1).all(), hosts.tolist()
+    _assert_like_one_device(np.load(layouts / "single.npz"),
+                            np.load(two_host_layouts / f"multihost_{name}.npz"))
 
 
 def test_config_errors_and_dense_models():

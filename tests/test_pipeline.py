@@ -7,9 +7,6 @@ of tests/test_sharding.py.
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,9 +15,10 @@ import pipeline_worker as worker
 from jaxllm.config import ConfigError, load_config
 from jaxllm.sharding.pipeline import Pipeline
 from jaxllm.sharding.pipeline_schedule import BWD, FWD, IDLE, build, expected_bubble, slots
-from test_sharding import ROOT, _assert_same_training, _env
+from processes import run, two_hosts
+from test_sharding import _assert_same_training
 
-WORKER = ROOT / "tests" / "pipeline_worker.py"
+WORKER = worker.__file__
 
 
 # ----------------------------------------------------------------------------- tables
@@ -131,9 +129,7 @@ def test_stack_split_over_pp_and_other_parameters_whole():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
-    r = subprocess.run([sys.executable, str(WORKER), str(out)], env=_env(8), cwd=ROOT,
-                       capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stderr[-4000:]
+    run(WORKER, out, timeout=1200)
     return out, json.loads((out / "results.json").read_text())
 
 
@@ -147,16 +143,7 @@ def test_pipeline_trains_like_one_device(trained, name):
 def test_pipeline_across_two_hosts_trains_like_one_device(trained, tmp_path):
     """2 processes x 4 devices, pp across them (1f1b, with dp and tp inside each host)."""
     out, results = trained
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        port = sock.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "multihost", str(tmp_path),
-                               str(pid), str(port)], env=_env(4), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for pid in (0, 1)]
-    outputs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-4000:]
+    two_hosts(WORKER, tmp_path, timeout=600)
     got = json.loads((tmp_path / "multihost.json").read_text())
     hosts = np.array(got["hosts"])  # mesh-shaped (pp, dp, fsdp, ep, cp, tp)
     assert (hosts[0] == 0).all() and (hosts[1] == 1).all()

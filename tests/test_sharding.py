@@ -7,8 +7,6 @@ such processes of 4 devices each over gloo; the tests here compare their results
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,15 +21,9 @@ import sharding_worker as worker
 from jaxllm.config import ConfigError, ParallelismConfig, load_config
 from jaxllm.sharding import Rules, constrain, make_mesh, mesh_shape
 from jaxllm.sharding.mesh import AXES, _host_split
+from processes import ROOT, env, run, two_hosts
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(worker.__file__)
-
-
-def _env(devices: int) -> dict:
-    flags = (f"--xla_force_host_platform_device_count={devices} "
-             "--xla_backend_optimization_level=0")
-    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
 
 
 # ----------------------------------------------------------------------------- mesh
@@ -127,9 +119,7 @@ def test_constrain_is_a_noop_without_context():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharding")
-    r = subprocess.run([sys.executable, str(WORKER), "all", str(out)], env=_env(8), cwd=ROOT,
-                       capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stderr[-4000:]
+    run(WORKER, "all", out, timeout=1200)
     return out, json.loads((out / "results.json").read_text())
 
 
@@ -186,15 +176,7 @@ def test_zero_memory_follows_formula(trained, model):
 
 def test_two_hosts_train_like_one_device(trained, tmp_path):
     out, results = trained
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        port = sock.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "multihost", str(tmp_path), str(pid),
-                               str(port)], env=_env(4), cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
-    outputs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-4000:]
+    two_hosts(WORKER, tmp_path, timeout=600)
     got = json.loads((tmp_path / "multihost.json").read_text())
     hosts = np.array(got["hosts"])  # mesh-shaped process indices: tp pairs share a host
     assert hosts.shape == (1, 2, 2, 1, 1, 2) and (hosts[..., 0] == hosts[..., 1]).all()
@@ -207,7 +189,7 @@ def test_dry_run_prints_layouts_and_memory():
     r = subprocess.run([sys.executable, "-m", "jaxllm.train", "--config", "configs/tiny.yaml",
                         "--dry-run", "parallelism.dp=2", "parallelism.fsdp=2", "parallelism.tp=2",
                         "train.zero_stage=1", "train.batch_size=8"],
-                       env=_env(8), cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       env=env(8), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "mesh pp=1 x dp=2 x fsdp=2 x ep=1 x cp=1 x tp=2 (8 x cpu); ZeRO stage 1" in out
@@ -222,7 +204,7 @@ def test_dry_run_prints_layouts_and_memory():
 def test_sharding_benchmark_runs_on_cpu():
     """benchmarks/sharding.py (1 GPU vs fsdp=2 vs tp=2) end to end on a tiny model."""
     r = subprocess.run([sys.executable, "benchmarks/sharding.py", "--quick", "--steps", "1",
-                        "--batch", "4"], env=_env(8), cwd=ROOT, capture_output=True, text=True,
+                        "--batch", "4"], env=env(8), cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [l.split(" | ") for l in r.stdout.splitlines() if l.startswith("| ") and "---" not in l]
