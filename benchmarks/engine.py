@@ -193,14 +193,17 @@ def continuous(engine: Engine, prompts, outputs) -> dict:
             "compiles": after["compiles_since_start"] - before["compiles_since_start"]}
 
 
-def fresh_scheduler(engine: Engine, num_pages: int | None = None) -> None:
+def fresh_scheduler(engine: Engine, num_pages: int | None = None,
+                    prefix_caching: bool | None = None) -> None:
     """Give the engine a new scheduler (an empty prefix cache) over the first `num_pages`
-    pages of its pool (default: all of them); the compiled steps are kept."""
+    pages of its pool (default: all of them), with prefix caching on or off (default: as
+    configured); the compiled steps are kept."""
     c = engine.config
+    caching = c.prefix_caching if prefix_caching is None else prefix_caching
     engine.scheduler = Scheduler(
         num_pages=num_pages or engine.num_pages, page_size=c.page_size,
         max_pages_per_seq=engine.max_pages_per_seq, max_num_seqs=c.max_num_seqs,
-        max_num_batched_tokens=c.max_num_batched_tokens, prefix_caching=c.prefix_caching)
+        max_num_batched_tokens=c.max_num_batched_tokens, prefix_caching=caching)
 
 
 def small_pool(engine: Engine, prompts, outputs, factor: int) -> dict:
@@ -232,9 +235,10 @@ def static(params, prompts, outputs, batch: int) -> dict:
             "p99 E2E s": float(np.percentile(e2e, 99)), "total s": clock}
 
 
-def prefix_ttft(model, cfg, params, prefix_len: int, n: int, caching: bool,
-                **engine_kw) -> dict:
-    engine = Engine(model, cfg, params=params, prefix_caching=caching, **engine_kw)
+def prefix_ttft(engine: Engine, cfg, prefix_len: int, n: int, caching: bool) -> dict:
+    """Requests sharing a prefix, one at a time, through the engine (its compiled steps)
+    with a fresh scheduler, prefix caching on or off: median TTFT."""
+    fresh_scheduler(engine, prefix_caching=caching)
     rng = np.random.default_rng(1)
     prefix = rng.integers(0, min(cfg.model.vocab_size, 32000), prefix_len).tolist()
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -244,9 +248,11 @@ def prefix_ttft(model, cfg, params, prefix_len: int, n: int, caching: bool,
         outs = list(engine.generate([prompt], sp))
         if i:
             ttft.append(outs[0].first_token_time - outs[0].arrival_time)
-    return {"case": f"prefix caching {'on' if caching else 'off'}, {prefix_len}-token prefix",
-            "requests": n, "median TTFT ms": 1e3 * statistics.median(ttft),
-            "cached tokens": engine.stats()["prefix_hits"]}
+    row = {"case": f"prefix caching {'on' if caching else 'off'}, {prefix_len}-token prefix",
+           "requests": n, "median TTFT ms": 1e3 * statistics.median(ttft),
+           "cached tokens": engine.stats()["prefix_hits"]}
+    fresh_scheduler(engine)
+    return row
 
 
 def stand_in_device(engine: Engine) -> None:
@@ -434,6 +440,13 @@ def main(argv=None):
     if args.small_pool:
         rows.append(small_pool(engine, prompts, outputs, args.small_pool))
         print(rows[-1], flush=True)
+    prefix = []
+    for caching in (True, False):
+        with host_profile(args.host_profile and caching, "prefix caching on"):
+            prefix.append(prefix_ttft(engine, cfg, args.prefix_len, args.prefix_requests,
+                                      caching))
+        print(prefix[-1], flush=True)
+    prefix[0]["x off"] = prefix[1]["median TTFT ms"] / prefix[0]["median TTFT ms"]
     del engine  # its page pool
     gc.collect()
     rows.append(static(params, prompts, outputs, args.batch))
@@ -441,13 +454,7 @@ def main(argv=None):
     for r in rows:
         if r["case"].startswith("continuous"):
             r["x static"] = r["output tok/s"] / rows[-1]["output tok/s"]
-    for caching in (True, False):
-        with host_profile(args.host_profile and caching, "prefix caching on"):
-            rows.append(prefix_ttft(model, cfg, params, args.prefix_len, args.prefix_requests,
-                                    caching, **engine_kw))
-        print(rows[-1], flush=True)
-        gc.collect()
-    rows[-2]["x off"] = rows[-1]["median TTFT ms"] / rows[-2]["median TTFT ms"]
+    rows += prefix
     print_table(rows, title="serving engine (in process)")
     write_json(args.json, rows, read_bandwidth=bw)
 
