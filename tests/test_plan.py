@@ -88,6 +88,80 @@ def test_measured_ceilings_and_cli(tmp_path, capsys):
     assert "training memory per device" in render(plan(load_config("configs/tiny.yaml"), "a100", 1))
 
 
+def _row_line(text: str, label: str) -> str:
+    return next(l for l in text.splitlines() if l.strip().startswith(label))
+
+
+def _row(text: str, label: str) -> list[str]:
+    """The figures of the line of `text` that starts with `label`: planned, engine, ratio."""
+    line = _row_line(text, label)
+    return line[line.index(label) + len(label):].split()
+
+
+def test_serving_plan_beside_the_engine():
+    """The planner's KV cache per token and page pool are the engine's, byte for byte (both
+    are arithmetic; GQA K/V and the MLA latent); its weights are the decode parameters; the
+    start-up text sets each planned figure beside the engine's with the ratio, the compiled
+    step's memory beside weights + pool, and the times only for a GPU."""
+    from flax import nnx
+
+    from jaxllm.inference.engine import Engine
+    from jaxllm.model import build_model
+    from jaxllm.plan import describe_serving, detect_hardware
+    from jaxllm.plan.memory import weight_bytes
+    from jaxllm.plan.report import _time
+    from jaxllm.plan.serving import engine_figures
+
+    sizes = dict(num_pages=20, page_size=16, max_num_seqs=2, max_num_batched_tokens=16,
+                 decode_window=1)
+    for path, warm in [("configs/tiny.yaml", True), ("configs/tiny_mla.yaml", False)]:
+        cfg = load_config(path, ["model.n_layers=1", "model.max_seq_len=128"])
+        model = build_model(cfg.model, rngs=nnx.Rngs(0))
+        engine = Engine(model, cfg, warm_up=warm, **sizes)  # one bucket: 16 tokens
+        fig = engine_figures(engine)
+        kv = kv_bytes_per_token(cfg.model)
+        assert fig.kv_bytes_per_token == kv
+        assert engine.runner.pool_bytes == kv * 20 * 16 == fig.pool_bytes
+        assert fig.weight_bytes == weight_bytes(cfg.model)
+        text = describe_serving(cfg, engine)
+        assert _row(text, "KV cache per token")[-5:] == [f"{kv / 1024:.2f}", "KiB",
+                                                         f"{kv / 1024:.2f}", "KiB", "1.000"]
+        pool = f"{kv * 320 / 2**20:.2f}"
+        assert _row(text, "page pool, 20 pages of 16 tokens") == [pool, "MiB", pool, "MiB",
+                                                                  "1.000"]
+        assert _row(text, "full contexts (128 tokens) it holds") == ["2", "2", "1.000"]
+        assert _row(text, "weights on the device")[-1] == "1.000"
+        assert "no times predicted: the engine runs on a CPU" in text
+        if not warm:
+            assert fig.compiled is None and "not compiled yet" in text
+            continue
+        args = fig.compiled["argument"]  # weights, pool and the step's few int32 inputs
+        assert fig.weight_bytes + fig.pool_bytes < args < 1.01 * (fig.weight_bytes
+                                                                  + fig.pool_bytes)
+        assert _row(text, "compiled step of 16 tokens")[-1] == "1.000"
+        assert "peak (arguments + temporaries" in text and "temporaries," in text
+        # a named GPU: its pool sizing and the planner's times at the engine's sizes
+        text = describe_serving(cfg, engine, hardware="h100")
+        p = plan(dataclasses.replace(cfg, inference=dataclasses.replace(
+            cfg.inference, engine=engine.config)), "h100", 1, batches=[2], prompt_len=16)
+        assert _row(text, "pool for H100 SXM at memory_fraction 0.8: pages")[1] == "20"
+        assert f"{_time(p.ttft_s)} / {_time(p.kernel_ttft_s)}" in _row_line(
+            text, "TTFT on H100 SXM, one prompt of 16 tokens")
+        assert f"{_time(p.tpot_s[2])} / {_time(p.kernel_tpot_s[2])}" in _row_line(
+            text, f"TPOT at 2 sequences, context {p.context}")
+        # on a GPU the device kind picks the hardware (figures as an H100 engine would give)
+        gpu = dataclasses.replace(fig, platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                                  pages_from="free memory")
+        assert describe_serving(cfg, gpu).count("H100 SXM") >= 3
+        unknown = dataclasses.replace(gpu, device_kind="NVIDIA L4")
+        assert "'NVIDIA L4' is not in the planner's table" in " ".join(
+            describe_serving(cfg, unknown).split())
+    assert [detect_hardware(k) for k in ("NVIDIA H100 80GB HBM3", "NVIDIA H200",
+                                         "NVIDIA A100-SXM4-80GB", "NVIDIA GH200 480GB",
+                                         "NVIDIA A100-SXM4-40GB", "NVIDIA H100 PCIe",
+                                         "cpu")] == ["h100", "h200", "a100"] + [None] * 4
+
+
 def test_collectives_per_axis():
     """dp=2 x fsdp=2 x tp=2 at ZeRO-1: parameters gathered twice and gradients
     reduce-scattered over fsdp, gradients all-reduced and updated parameters gathered over

@@ -407,6 +407,9 @@ def test_cli_refuses_a_missing_run(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
     assert serve_cli.main(["--hf", str(tmp_path), "--port", "70000"]) == 2
+    capsys.readouterr()
+    assert serve_cli.main(["--hf", str(tmp_path), "--hardware", "tpu9"]) == 2  # before loading
+    assert "hardware='tpu9' is unknown" in capsys.readouterr().err
     with socket.socket() as busy:  # a port in use: refused before anything loads
         busy.bind(("127.0.0.1", 0))
         busy.listen()

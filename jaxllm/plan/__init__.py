@@ -12,12 +12,15 @@ of a config.
     roofline.py  intensity and times                        plot.py     the figures
     kernel_time.py  times as sums of the kernels each workload launches (counted in
                     kernel_train.py and kernel_infer.py)
+    serving.py   the planner's serving figures beside a built engine's (`describe_serving`)
 """
 import sys
 import types
 
-from jaxllm.plan.hardware import HARDWARE, Hardware, get_hardware, load_measured
+from jaxllm.plan.hardware import (HARDWARE, Hardware, detect_hardware, get_hardware,
+                                  load_measured)
 from jaxllm.plan.report import Plan, plan, render
+from jaxllm.plan.serving import describe_serving
 
 
 class _CallableModule(types.ModuleType):
@@ -30,4 +33,5 @@ class _CallableModule(types.ModuleType):
 
 sys.modules[__name__].__class__ = _CallableModule
 
-__all__ = ["HARDWARE", "Hardware", "Plan", "get_hardware", "load_measured", "plan", "render"]
+__all__ = ["HARDWARE", "Hardware", "Plan", "describe_serving", "detect_hardware", "get_hardware",
+           "load_measured", "plan", "render"]

@@ -103,6 +103,19 @@ def get_hardware(name: str | Hardware, measured: str | Path | None = None) -> Ha
     return hw if measured is None else load_measured(measured, hw)
 
 
+def detect_hardware(device_kind: str) -> str | None:
+    """The table's entry for a JAX GPU's `device_kind` ("NVIDIA H100 80GB HBM3" -> "h100"),
+    or None where it names none of them, another form of one (PCIe, NVL: other bandwidths
+    and sizes) or another memory size (an A100 of 40 GB)."""
+    if re.search(r"pcie|\bnvl\b", device_kind, re.I):
+        return None
+    for key, hw in HARDWARE.items():
+        if re.search(rf"\b{key}\b", device_kind, re.I):  # "GH200" is not "H200"
+            size = re.search(r"(\d+)\s*GB", device_kind, re.I)
+            return key if size is None or int(size[1]) * GB == hw.hbm else None
+    return None
+
+
 def load_measured(path: str | Path, base: Hardware | None = None) -> Hardware:
     """A Hardware from a YAML/JSON file of measured ceilings over its `base` entry."""
     path = Path(path)

@@ -1,10 +1,13 @@
 """python -m jaxllm.serve (--run RUN_DIR | --hf HF_DIR) [--step N] [--host H] [--port P]
-[--served-model-name NAME] [section.key=value ...]
+[--served-model-name NAME] [--hardware NAME] [section.key=value ...]
 
 Loads a model as `python -m jaxllm.generate` does, builds the serving engine
 (inference.engine.* overrides size it, e.g. inference.engine.num_pages=256; it compiles its
-steps before the first request), and serves the OpenAI API (/v1/completions,
-/v1/chat/completions, /v1/models) with /health and /metrics until SIGINT or SIGTERM.
+steps before the first request), prints the planner's figures beside the engine's
+(`jaxllm.plan.describe_serving`: KV cache, page pool, weights, the compiled step's memory,
+predicted TTFT and TPOT on the detected or named GPU), and serves the OpenAI API
+(/v1/completions, /v1/chat/completions, /v1/models) with /health and /metrics until SIGINT
+or SIGTERM.
 """
 from __future__ import annotations
 
@@ -29,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default="jaxllm",
                     help="the model's name in the API: requests naming another model get a "
                          "404 (default: jaxllm)")
+    ap.add_argument("--hardware", default=None,
+                    help="the GPU whose planned pool, TTFT and TPOT print beside the engine's "
+                         "at start-up (h100, h200, ...; default: the detected device, none on "
+                         "a CPU)")
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return ap
 
@@ -59,6 +66,9 @@ def main(argv=None) -> int:
         if args.step is not None and args.hf:
             raise ValueError("--step applies to --run only (an HF directory has one set of "
                              "weights)")
+        if args.hardware is not None:
+            from jaxllm.plan import get_hardware
+            get_hardware(args.hardware)  # an unknown name is refused before the model loads
         import fastapi, prometheus_client, uvicorn  # noqa: E401,F401  (the serve extra)
         sock = listen(args.host, args.port)  # a busy port is refused before the model loads
         source = args.hf or args.run
@@ -92,6 +102,11 @@ def main(argv=None) -> int:
     except ValueError as e:  # a model or pool the engine cannot serve
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from jaxllm.plan import describe_serving
+    try:
+        print(describe_serving(cfg, engine, args.hardware), file=sys.stderr)
+    except ValueError as e:  # a config the planner cannot take; the engine serves it anyway
+        print(f"[plan vs engine: not available: {e}]", file=sys.stderr)
     # what exists now (the model, the engine's compiled steps) lives as long as the process:
     # frozen, the garbage collector's full passes, which pause every stream, skip it
     gc.collect()
