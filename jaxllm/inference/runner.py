@@ -224,6 +224,11 @@ class ModelRunner:
         self._compiled: dict[tuple[str, int, bool], object] = {}
         self._empty: dict[int, StepBatch] = {}  # the padding batch of each bucket
 
+    def programs(self) -> dict:
+        """The compiled programs so far, {(kind "step" | "window", bucket, sampled): the
+        compiled executable} (its memory_analysis(), cost_analysis(), ...)."""
+        return dict(self._compiled)
+
     @property
     def pool_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools)

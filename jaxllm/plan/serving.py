@@ -76,7 +76,7 @@ def engine_figures(engine) -> EngineFigures:
     device = jax.devices()[0]  # where the engine puts its pool and weights
     bucket = runner.buckets[-1]
     compiled, program = None, None
-    for (kind, t, sampled), fn in sorted(runner._compiled.items()):
+    for (kind, t, sampled), fn in sorted(runner.programs().items()):
         stats = fn.memory_analysis() if kind == "step" and t == bucket else None
         if stats is None:
             continue
