@@ -39,16 +39,18 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
     def stream_decoder(self):
-        """A callable that takes new ids and returns the text they complete."""
+        """A callable that takes new ids and returns the text they complete; with
+        final=True (the sequence has ended) also what it held back (an incomplete
+        character, as the replacement character)."""
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-        def step(ids) -> str:
+        def step(ids, final: bool = False) -> str:
             if isinstance(ids, (list, tuple)):  # a sequence of ints (not a buffer)
                 try:  # the common case: byte ids only
-                    return dec.decode(bytes(ids))
+                    return dec.decode(bytes(ids), final)
                 except (ValueError, TypeError):  # special ids are dropped
                     pass
-            return dec.decode(bytes(int(i) for i in ids if 0 <= int(i) < 256))
+            return dec.decode(bytes(int(i) for i in ids if 0 <= int(i) < 256), final)
 
         return step
 
@@ -119,19 +121,71 @@ class HFTokenizer:
         return text
 
     def stream_decoder(self):
-        """Decode the growing sequence and return what was added (handles merged pieces)."""
-        ids, shown = [], [""]
+        """A callable that takes new ids and returns the text they complete.
 
-        def step(new_ids):
+        Each call decodes a short window, not the whole sequence: the ids from `start` to the
+        end, against the same window up to `shown` (the ids whose text was handed out). The
+        window's first ids give the new ones their context (a SentencePiece word's leading
+        space, a multi-byte character split over byte pieces); the text past the window's
+        known part is what is new. While it ends in an incomplete character or adds nothing
+        yet, nothing is handed out and the window grows. The window starts at the ids of the
+        last piece handed out, but never inside a run of byte-fallback pieces (`<0x..>`),
+        which decode as one string; where a window's text does not extend what it showed
+        before, the whole sequence is decoded once. final=True (the sequence has ended)
+        hands out what was held back too, so the pieces join to `decode` of every id. Tokenizers with transformers' clean-up
+        rules (" ." -> ".", which can change a space already handed out) decode the whole
+        sequence every call, handing out only text that extends what was shown."""
+        ids, start, shown, sent = [], 0, 0, [0]  # sent: characters handed out
+        byte_ids = self._byte_piece_ids()
+        if self._clean_up:  # a later " ." can change a space already shown: whole text
+            return self._whole_text_decoder()
+
+        def step(new_ids, final: bool = False):
+            nonlocal start, shown
             ids.extend(int(i) for i in new_ids)
-            text = self.decode(ids)
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait
+            known = self.decode(ids[start:shown]) if shown > start else ""
+            text = self.decode(ids[start:])
+            if len(text) <= len(known) or (text.endswith("\ufffd") and not final):
                 return ""
-            out = text[len(shown[0]):] if text.startswith(shown[0]) else text
-            shown[0] = text
+            if text.startswith(known):
+                out = text[len(known):]
+            else:  # rare: the whole text, past what was handed out
+                out = self.decode(ids)[sent[0]:]
+            sent[0] += len(out)
+            if ids[shown - 1] not in byte_ids if shown else True:
+                start = shown
+            shown = len(ids)
             return out
 
         return step
+
+    def _whole_text_decoder(self):
+        """The stream decoder of tokenizers with transformers' clean-up rules: the whole
+        sequence decoded each call; a last space that could still start a rule (" n" of
+        " n't") is held back with what follows it, the rest handed out."""
+        ids, shown = [], [""]
+
+        def step(new_ids, final: bool = False):
+            ids.extend(int(i) for i in new_ids)
+            text = self.decode(ids)
+            if not text.startswith(shown[0]) or (text.endswith("\ufffd") and not final):
+                return ""
+            cut = text.rfind(" ")
+            if (not final and cut >= len(shown[0])
+                    and any(a.startswith(text[cut:]) for a, _ in _CLEAN_UP)):
+                text = text[:cut]
+            out, shown[0] = text[len(shown[0]):], text
+            return out
+
+        return step
+
+    def _byte_piece_ids(self) -> frozenset:
+        """Ids of the byte-fallback pieces `<0x00>` .. `<0xFF>` (none in most BPE vocabularies)."""
+        if not hasattr(self, "_byte_ids"):
+            self._byte_ids = frozenset(
+                i for i in (self._tok.token_to_id(f"<0x{b:02X}>") for b in range(256))
+                if i is not None)
+        return self._byte_ids
 
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",

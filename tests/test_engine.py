@@ -179,6 +179,9 @@ def test_stops_abort_and_queue_limit(setup, prompts, alone):
     outs = list(engine.generate([prompts[4]], GREEDY.replace(stop=(stop,))))
     assert outs[-1].finish_reason == "stop" and outs[-1].text == text[:text.index(stop)]
     assert "".join(o.new_text for o in outs) == outs[-1].text
+    # to its length: the text is every token's (an incomplete last character included)
+    outs = list(engine.generate([prompts[4]], GREEDY))
+    assert outs[-1].text == "".join(o.new_text for o in outs) == engine.tokenizer.decode(ref)
     # abort frees the pages at once
     rid = engine.add_request(prompts[-1], GREEDY)
     engine.step()

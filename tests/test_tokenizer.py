@@ -94,3 +94,43 @@ def test_eos_ids_follow_generation_config(tmp_path):
     assert HFTokenizer(tmp_path).eos_ids == (7,)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 5]}))
     assert HFTokenizer(tmp_path).eos_ids == (eos, 5)
+
+
+@pytest.mark.parametrize("kind, clean_up", [("bpe", False), ("unigram", False),
+                                            ("unigram", True)])
+def test_stream_decoder_pieces_join_to_the_decoded_text(kind, clean_up, tmp_path):
+    """Ids fed in random chunks (valid text with multi-byte characters, and random ids of
+    the vocabulary but for byte-fallback pieces, whose invalid runs decode as one string):
+    the pieces handed out, with the final flush, join to `decode` of every id, and at every
+    point they are a prefix of it: no piece is handed out that a later id changes (clean-up
+    rules, SentencePiece spaces, split characters)."""
+    import random
+    BUILT.setdefault(kind, (_bpe if kind == "bpe" else _unigram)().to_str())
+    Tokenizer.from_str(BUILT[kind]).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"unk_token": "<unk>", "clean_up_tokenization_spaces": clean_up}))
+    tok = HFTokenizer(tmp_path)
+    rng = random.Random(kind + str(clean_up))
+    words = "the quick brown fox 日本 héllo wörld 🙂 don't , . ! ? 's n't ünïcödé".split()
+    allowed = [i for i in range(tok.vocab_size) if i not in tok._byte_piece_ids()]
+    cases = [tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(1, 16))))
+             for _ in range(60)]
+    cases += [[rng.choice(allowed) for _ in range(rng.randint(1, 40))] for _ in range(60)]
+    for ids in cases:
+        dec, pieces, at, want = tok.stream_decoder(), [], 0, tok.decode(ids)
+        while at < len(ids):
+            n = rng.choice([1, 1, 2, 3])
+            pieces.append(dec(ids[at:at + n]))
+            at += n
+            assert want.startswith("".join(pieces)), ids[:at]
+        pieces.append(dec([], final=True))
+        assert "".join(pieces) == want, ids
+
+
+def test_byte_stream_decoder_flushes_an_incomplete_character():
+    from jaxllm.tokenizer import ByteTokenizer
+    tok = ByteTokenizer()
+    ids = list("日本".encode()) + [tok.eos_id] + list("日".encode())[:2]
+    dec = tok.stream_decoder()
+    pieces = [dec([i]) for i in ids]
+    assert "".join(pieces) == "日本" and dec([], final=True) == "\ufffd" == tok.decode(ids)[-1]

@@ -347,7 +347,7 @@ class Engine:
             live.first_token_time = now
         req = live.request
         output, stop = req.output, req.params.stop
-        reason, used = None, 0
+        reason, used, cut = None, 0, False
         for token in tokens:
             used += 1
             if token in live.stop_ids:
@@ -359,13 +359,18 @@ class Engine:
             # one token: the list itself goes to the decoder
             live.text += live.decode(tokens if len(tokens) == 1 else (token,))
             if stop and self._cut(live, before):
-                reason = "stop"
+                reason, cut = "stop", True
                 break
             if len(output) >= live.limit:
                 reason = "length"
                 break
         self.totals["generation_tokens"] += used
         if reason is not None:
+            if not cut:  # the text the decoder held back (an incomplete character)
+                before = len(live.text)
+                live.text += live.decode((), final=True)
+                if stop:
+                    self._cut(live, before)
             return self._finish(live, reason, now)
         return self._output(live, False, None, now)
 

@@ -211,6 +211,10 @@ def generate(model, cfg: Config, prompts: list[str | list[int]], *,
         out, timings = speculative_generate_ids(
             params, ids, method=spec.method, k=spec.resolved_k(cfg.model.mtp_depth),
             draft=resolve_draft(cfg, draft_model), **options)
+    if on_tokens is not None:  # what the stream decoder held back (an incomplete character)
+        rest = dec((), final=True)
+        if rest:
+            stream(rest)
     texts = [tokenizer.decode(r) for r in out]
     if not return_result:
         return texts
