@@ -237,20 +237,31 @@ def static(params, prompts, outputs, batch: int) -> dict:
 
 def prefix_ttft(engine: Engine, cfg, prefix_len: int, n: int, caching: bool) -> dict:
     """Requests sharing a prefix, one at a time, through the engine (its compiled steps)
-    with a fresh scheduler, prefix caching on or off: median TTFT."""
+    with a fresh scheduler, prefix caching on or off: median TTFT, and the engine's counters
+    over the call that returns the first token (its dispatches: the first step's and, while
+    the device runs it, the next one's; the wait for the device; the output work)."""
     fresh_scheduler(engine, prefix_caching=caching)
     rng = np.random.default_rng(1)
     prefix = rng.integers(0, min(cfg.model.vocab_size, 32000), prefix_len).tolist()
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    ttft = []
+    ttft, phases = [], {"dispatch_s": [], "wait_s": [], "collect_s": []}
     for i in range(n + 1):  # the first fills the cache and is not counted
         prompt = prefix + rng.integers(0, min(cfg.model.vocab_size, 1000), 32).tolist()
-        outs = list(engine.generate([prompt], sp))
+        rid = engine.add_request(prompt, sp)
+        before, first = dict(engine.totals), None
+        while first is None:
+            first = next((o for o in engine.step() if o.request_id == rid), None)
         if i:
-            ttft.append(outs[0].first_token_time - outs[0].arrival_time)
+            ttft.append(first.first_token_time - first.arrival_time)
+            for k, v in phases.items():
+                v.append(engine.totals[k] - before[k])
+        while engine.has_unfinished():
+            engine.step()
     row = {"case": f"prefix caching {'on' if caching else 'off'}, {prefix_len}-token prefix",
            "requests": n, "median TTFT ms": 1e3 * statistics.median(ttft),
-           "cached tokens": engine.stats()["prefix_hits"]}
+           "cached tokens": engine.stats()["prefix_hits"],
+           **{f"first token: {k[:-2]} ms": 1e3 * statistics.median(v)
+              for k, v in phases.items()}}
     fresh_scheduler(engine)
     return row
 
