@@ -104,6 +104,10 @@ class HFTokenizer:
         self.eos_ids = tuple(eos) if eos else (() if self.eos_id is None else (self.eos_id,))
         self._clean_up = (bool(self.config.get("clean_up_tokenization_spaces", False))
                           and type(self._tok.model).__name__ != "BPE")  # as transformers
+        # ids of the byte-fallback pieces <0x00> .. <0xFF> (none in most BPE vocabularies)
+        self.byte_piece_ids = frozenset(
+            i for i in (self._tok.token_to_id(f"<0x{b:02X}>") for b in range(256))
+            if i is not None)
 
     def encode(self, text: str) -> list[int]:
         """The text's ids alone (no special tokens added): training documents."""
@@ -132,16 +136,15 @@ class HFTokenizer:
         last piece handed out, but never inside a run of byte-fallback pieces (`<0x..>`),
         which decode as one string; where a window's text does not extend what it showed
         before, the whole sequence is decoded once. final=True (the sequence has ended)
-        hands out what was held back too, so the pieces join to `decode` of every id. Tokenizers with transformers' clean-up
-        rules (" ." -> ".", which can change a space already handed out) decode the whole
-        sequence every call, handing out only text that extends what was shown."""
-        ids, start, shown, sent = [], 0, 0, [0]  # sent: characters handed out
-        byte_ids = self._byte_piece_ids()
-        if self._clean_up:  # a later " ." can change a space already shown: whole text
+        hands out what was held back too, so the pieces join to `decode` of every id.
+        Tokenizers with transformers' clean-up rules (" ." -> ".", which can change a space
+        already handed out) decode the whole sequence every call instead."""
+        if self._clean_up:
             return self._whole_text_decoder()
+        ids, start, shown, sent = [], 0, 0, 0  # sent: characters handed out
 
         def step(new_ids, final: bool = False):
-            nonlocal start, shown
+            nonlocal start, shown, sent
             ids.extend(int(i) for i in new_ids)
             known = self.decode(ids[start:shown]) if shown > start else ""
             text = self.decode(ids[start:])
@@ -150,9 +153,9 @@ class HFTokenizer:
             if text.startswith(known):
                 out = text[len(known):]
             else:  # rare: the whole text, past what was handed out
-                out = self.decode(ids)[sent[0]:]
-            sent[0] += len(out)
-            if ids[shown - 1] not in byte_ids if shown else True:
+                out = self.decode(ids)[sent:]
+            sent += len(out)
+            if not shown or ids[shown - 1] not in self.byte_piece_ids:
                 start = shown
             shown = len(ids)
             return out
@@ -178,14 +181,6 @@ class HFTokenizer:
             return out
 
         return step
-
-    def _byte_piece_ids(self) -> frozenset:
-        """Ids of the byte-fallback pieces `<0x00>` .. `<0xFF>` (none in most BPE vocabularies)."""
-        if not hasattr(self, "_byte_ids"):
-            self._byte_ids = frozenset(
-                i for i in (self._tok.token_to_id(f"<0x{b:02X}>") for b in range(256))
-                if i is not None)
-        return self._byte_ids
 
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",

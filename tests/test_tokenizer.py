@@ -112,7 +112,7 @@ def test_stream_decoder_pieces_join_to_the_decoded_text(kind, clean_up, tmp_path
     tok = HFTokenizer(tmp_path)
     rng = random.Random(kind + str(clean_up))
     words = "the quick brown fox 日本 héllo wörld 🙂 don't , . ! ? 's n't ünïcödé".split()
-    allowed = [i for i in range(tok.vocab_size) if i not in tok._byte_piece_ids()]
+    allowed = [i for i in range(tok.vocab_size) if i not in tok.byte_piece_ids]
     cases = [tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(1, 16))))
              for _ in range(60)]
     cases += [[rng.choice(allowed) for _ in range(rng.randint(1, 40))] for _ in range(60)]

@@ -55,7 +55,7 @@ def compile_count() -> int:
 def _token_ids(prompt_ids) -> np.ndarray:
     """Token ids (a list or array of integers) as int64 [n]; ValueError for anything else."""
     ids = np.asarray(prompt_ids)
-    if ids.dtype.kind in "iu" and ids.ndim == 1:
+    if ids.ndim == 1 and (ids.dtype.kind in "iu" or ids.size == 0):
         return ids.astype(np.int64, copy=False)
     if ids.ndim == 1 and ids.dtype == object:  # Python ints past int64, or mixed objects
         try:

@@ -23,8 +23,12 @@ from jaxllm.inference.pages import PageAllocator
 
 def chain_hash(parent: bytes, tokens) -> bytes:
     """The key of a full page holding `tokens`, after the page keyed `parent` (b"" first)."""
-    return hashlib.blake2b(parent + np.asarray(tokens, np.int64).tobytes(),
-                           digest_size=16).digest()
+    return _chain(parent, np.asarray(tokens, np.int64).tobytes())
+
+
+def _chain(parent: bytes, page: bytes) -> bytes:
+    """chain_hash of a page given as its tokens' int64 bytes."""
+    return hashlib.blake2b(parent + page, digest_size=16).digest()
 
 
 class PrefixCachingAllocator(PageAllocator):
@@ -54,10 +58,10 @@ class PrefixCachingAllocator(PageAllocator):
         the page that holds the last token."""
         ps, pages, key = self.page_size, [], b""
         n_full = (len(tokens) - 1) // ps
-        # the pages' bytes at once: the keys are chain_hash's, without an array a page
+        # every page's bytes in one conversion, not an array a page
         data, step = np.asarray(tokens[:n_full * ps], np.int64).tobytes(), 8 * ps
         for j in range(n_full):
-            key = hashlib.blake2b(key + data[j * step:(j + 1) * step], digest_size=16).digest()
+            key = _chain(key, data[j * step:(j + 1) * step])
             page = self._page_of.get(key)
             if page is None:
                 break
