@@ -373,7 +373,10 @@ class RaggedLatentCache:
             raise ValueError("multi-head latent attention has no sliding window")
         t, n = q.shape[1], self.kv_lens.shape[0]
         rows = jnp.arange(t, dtype=jnp.int32)
-        seq = jnp.clip(jnp.searchsorted(self.q_starts, rows, side="right") - 1, 0, n - 1)
+        # compare_all: one fused comparison; the default binary search is a device loop,
+        # which XLA steps from the host outside its command buffers
+        seq = jnp.clip(jnp.searchsorted(self.q_starts, rows, side="right", method="compare_all")
+                       - 1, 0, n - 1)
         lengths = jnp.where(rows < self.q_starts[-1], positions[0] + 1, 0).astype(jnp.int32)
         o = mla_decode(q[0].astype(self.c.dtype), self.c, self.block_tables[seq], lengths,
                        v_dim=self.rank, sm_scale=sm_scale, impl=impl, layer=layer)

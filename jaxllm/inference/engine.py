@@ -125,9 +125,10 @@ class Engine:
         self._sampling = 0  # live requests that sample or hold stop ids back (min_tokens)
         self._inflight = None  # (scheduled, sampled tokens on the device) of the last step
         self._numbers = itertools.count()
-        # host seconds scheduling + dispatching, waiting for the device, and processing outputs
+        # host seconds scheduling + dispatching (call_s: in the compiled call), waiting for
+        # the device, and processing outputs
         self.totals = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0, steps=0,
-                           windows=0, dispatch_s=0.0, wait_s=0.0, collect_s=0.0)
+                           windows=0, dispatch_s=0.0, call_s=0.0, wait_s=0.0, collect_s=0.0)
 
     # ---- requests ----
     def check_request(self, prompt_ids, params: SamplingParams) -> None:
@@ -215,14 +216,15 @@ class Engine:
     def _dispatch(self):
         t0 = time.perf_counter()
         step = self.scheduler.schedule_window(self.config.decode_window)
-        if step is not None:
-            tokens = self.runner.run_window(self._batch(step))
-            self.totals["windows"] += 1
-        else:
+        if step is None:
             step = self.scheduler.schedule()
             if step is None:
                 return None
-            tokens = self.runner.run(self._batch(step))
+        batch = self._batch(step)
+        t1 = time.perf_counter()
+        tokens = (self.runner.run_window if step.is_window else self.runner.run)(batch)
+        self.totals["call_s"] += time.perf_counter() - t1
+        self.totals["windows"] += step.is_window
         self.scheduler.dispatched(step)
         self.totals["steps"] += 1
         self.totals["dispatch_s"] += time.perf_counter() - t0

@@ -13,8 +13,9 @@ one token to run, sequence s runs window[s] steps back to back on the device, ea
 the previous step's sample as its input, so the host's scheduling and dispatch are paid
 once for them all (as vLLM's multi-step scheduling does).
 
-Shapes are static: T is rounded up to a power of two (`token_buckets`), N is always
-`max_num_seqs` (padding sequences have no tokens) and the block tables are
+Shapes are static: T is rounded up to a power of two (`token_buckets`), N is the smaller
+of T and `max_num_seqs` (a sequence runs at least one token, so a step of T tokens has at
+most T sequences; padding sequences have no tokens) and the block tables are
 `max_pages_per_seq` wide, so the step compiles once per token bucket and the window once
 per bucket up to N rows, all at start-up (`warm_up`), and never after. Each is compiled
 twice: greedy (an argmax) and sampling (temperature, top-k, top-p), the host picking the
@@ -163,10 +164,16 @@ def _inputs(b: StepBatch, previous):
     return jnp.where(b.from_previous >= 0, previous[jnp.maximum(b.from_previous, 0)], b.tokens)
 
 
+def _as_last(samples, previous):
+    """A step's samples [N] in the engine's `last` [max_num_seqs] (N may be smaller)."""
+    return jnp.zeros_like(previous).at[:samples.shape[0]].set(samples)
+
+
 def _step(params: DecodeParams, pools: tuple, previous, buf, layout, sampled: bool):
     b = unpack(buf, layout)
     banned = jnp.where(b.ban_steps[:, None] > 0, b.banned, params.cfg.vocab_size)
-    return _sample(params, pools, _inputs(b, previous), b, banned, sampled)
+    pools, samples = _sample(params, pools, _inputs(b, previous), b, banned, sampled)
+    return pools, _as_last(samples, previous)
 
 
 def _window(params: DecodeParams, pools: tuple, previous, buf, layout, sampled: bool,
@@ -197,7 +204,7 @@ def _window(params: DecodeParams, pools: tuple, previous, buf, layout, sampled: 
 
     (pools, _), samples = jax.lax.scan(body, (pools, _inputs(b, previous)), jnp.arange(steps))
     last = samples[jnp.maximum(b.window - 1, 0), jnp.arange(n)]
-    return pools, samples, last
+    return pools, samples, _as_last(last, previous)
 
 
 class ModelRunner:
@@ -244,7 +251,7 @@ class ModelRunner:
         own buffer to fill in (one copy of the bucket's padding batch)."""
         empty = self._empty.get(t)
         if empty is None:
-            n, w = self.max_num_seqs, self.max_pages_per_seq
+            n, w = min(t, self.max_num_seqs), self.max_pages_per_seq
             fields = dict(
                 tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
                 slots=np.full(t, self.num_pages * self.page_size, np.int32),
@@ -295,7 +302,8 @@ class ModelRunner:
 
     def run(self, batch: StepBatch, sampled: bool | None = None) -> jax.Array:
         """Dispatch one step (it runs after the steps before it); returns the sampled token
-        of every sequence slot, int32 [N] on the device, also kept as `last`. `sampled`:
+        of every sequence slot, int32 [max_num_seqs] on the device (the step's N first),
+        also kept as `last`. `sampled`:
         whether to compile in sampling (default: whether a row has temperature > 0)."""
         fn = self._fn("step", batch, sampled)
         # the compiled step takes the dynamic arguments only (the layout is baked in)
