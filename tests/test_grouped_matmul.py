@@ -79,6 +79,41 @@ def test_work_items_cover_each_row_once_with_its_group():
     assert (group[np.argmax(group < 0):] < 0).all() and (group < 0).any()
 
 
+def test_work_items_run_no_device_loop():
+    """No while loop among the work items' ops: XLA's GPU runtime steps a device loop from
+    the host, and a decode step runs three grouped matmuls a layer."""
+    starts, ends = gmm_triton._group_bounds(jnp.ones(64, jnp.int32), 70)
+    jaxpr = jax.make_jaxpr(gmm_triton._work_items, static_argnums=(2, 3))(starts, ends, 16, 69)
+    assert "while" not in str(jaxpr) and "scan" not in str(jaxpr)
+
+
+def test_row_tiles_follow_the_rows_per_group():
+    """16-row tiles for a decode step's few rows per expert; block_m for training's many."""
+    assert gmm_triton.tiles(6, 64, 1408) == (16, 256)  # one token, top 6 of 64
+    assert gmm_triton.tiles(64 * 6, 64, 2048) == (16, 256)  # 64 tokens: 6 rows an expert
+    assert gmm_triton.tiles(1024 * 6, 64, 1408) == (128, 256)  # a 1024-token prefill
+    assert gmm_triton.tiles(8 * 2048 * 6, 64, 1408) == (128, 256)  # a training batch
+    assert gmm_triton.tiles(100, 5, 48, gmm_triton.BlockSizes(**TILES)) == (16, 32)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_expert_ffn_with_the_kernel_equals_the_reference(tokens):
+    """The MoE layer's dispatch, grouped matmuls and combine with the kernel (as a GPU runs
+    the decode program) against the jnp reference, at decode and prefill token counts."""
+    from jaxllm.model.moe import expert_ffn
+    e, d, f, k = 8, 32, 48, 2
+    keys = jax.random.split(jax.random.key(tokens), 6)
+    x = jax.random.normal(keys[0], (tokens, d), jnp.float32)
+    ids = jax.random.randint(keys[1], (tokens, k), 0, e)
+    ids = ids.at[:, 1].set((ids[:, 0] + 1 + ids[:, 1] % (e - 1)) % e)  # distinct per token
+    w = jax.random.uniform(keys[2], (tokens, k))
+    gate, up = (jax.random.normal(kk, (e, d, f)) / d**0.5 for kk in keys[3:5])
+    down = jax.random.normal(keys[5], (e, f, d)) / f**0.5
+    run = jax.jit(lambda impl: expert_ffn(x, ids, w, gate, up, down, impl=impl),
+                  static_argnums=0)
+    np.testing.assert_allclose(run("pallas_triton"), run("reference"), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_inputs_raise_value_error():
     lhs, rhs, sizes, _ = _inputs(jnp.float32)
     with pytest.raises(ValueError, match=r"lhs \[M, K\] and rhs \[G, K, N\]"):

@@ -11,7 +11,8 @@ and cache write; attention; o with the residual; norm with gate/up and SwiGLU; d
 the residual), each reading its weights. MLA decoding runs the absorbed form over the
 whole cache buffer (`LatentCache.attend`: scores, mask, softmax, the latent's value part
 sliced out, the values), MoE decoding the routed experts of `expert_ffn` with the grouped
-matmul reading the experts the batch's tokens choose. Each step adds the embedding, the
+matmul reading the experts the batch's tokens choose and computing its tiles' rows
+(`gmm_rows`), after its work items (GMM_SETUP_KERNELS). Each step adds the embedding, the
 final norm, the head, the sampling and the decode loop's own bookkeeping (DECODE_STEP_KERNELS).
 """
 from __future__ import annotations
@@ -26,6 +27,11 @@ from jaxllm.plan.kernel_time import (ROUTING_KERNELS, SORT_KERNELS, Kernel, Kern
 # final norm (2), the head, the sample (an argmax or the sampler), the emitted / done /
 # position updates and the loop's counter and condition.
 DECODE_STEP_KERNELS = 8
+# The grouped-matmul kernel's work items (the groups' row bounds, each item's group and row
+# tile: a few small loop-free kernels over [items, experts]), one set a layer: its three
+# grouped matmuls share the rows and tiles, so XLA computes them once.
+GMM_SETUP_KERNELS = 6
+GMM_SETUP_BYTES = 64 * 1024
 
 
 def _gemm(m_rows: int, k: int, n: int, c: float, what: str = "matmul",
@@ -50,6 +56,19 @@ def touched_experts(m: ModelConfig, tokens: int) -> float:
     return e * (1 - (1 - k / e) ** tokens)
 
 
+def gmm_rows(m: ModelConfig, tokens: int) -> float:
+    """Rows the grouped-matmul kernel computes for `tokens` tokens' tokens x top_k rows: a
+    row tile straddling group boundaries is computed once for each of its groups, so about
+    the rows + each touched expert's (tile rows - 1) (`gmm_triton.tiles`: its tiles follow
+    the rows per expert; 16 for a decode step's few, 128 for a prefill's hundreds)."""
+    from jaxllm.kernels.pallas.gmm_triton import tiles
+
+    e = m.moe
+    rows = tokens * e.top_k
+    bm = tiles(rows, e.num_experts, e.expert_mlp_dim)[0]
+    return rows + touched_experts(m, tokens) * (bm - 1)
+
+
 def _ffn_kernels(m: ModelConfig, T: int, c: float, tp: int, moe: bool) -> list[Kernel]:
     d = m.d_model
     X = T * d * c
@@ -61,13 +80,15 @@ def _ffn_kernels(m: ModelConfig, T: int, c: float, tp: int, moe: bool) -> list[K
         TE = T * e.num_experts * 4
         g = touched_experts(m, T)
         w = g * d * fe  # the chosen experts' weights of one projection
+        Rc = gmm_rows(m, T)  # the rows its tiles compute
         ks += [_gemm(T, d, e.num_experts, c, out_bytes=TE),
                _ew("routing", ROUTING_KERNELS * 2 * TE, ROUTING_KERNELS),
                _ew("sort", 2 * SORT_KERNELS * 2 * R * 4 + 2 * R * 4, 2 * SORT_KERNELS + 2),
+               _ew("routing", GMM_SETUP_BYTES, GMM_SETUP_KERNELS),  # the kernel's work items
                _ew("dispatch", 2 * R * d * c),
-               Kernel("grouped matmul", 2, 2 * R * d * fe, c * (R * d + w + R * fe), "gmm"),
+               Kernel("grouped matmul", 2, 2 * Rc * d * fe, c * (R * d + w + R * fe), "gmm"),
                _ew("elementwise", 3 * R * fe * c),
-               Kernel("grouped matmul", 1, 2 * R * d * fe, c * (R * fe + w + R * d), "gmm"),
+               Kernel("grouped matmul", 1, 2 * Rc * d * fe, c * (R * fe + w + R * d), "gmm"),
                _ew("dispatch", 2 * R * d * c + R * d * c + X, 2)]  # gather back, weighted sum
         f = e.num_shared_experts * fe
         if f:

@@ -9,14 +9,18 @@ lhs [M, K] has its rows sorted by group: group g owns rows starts[g] .. ends[g] 
             (no copy of rhs^T is made);
   d rhs     [G, K, N], d rhs[g] = lhs_g^T @ dout_g: the "transposed" grouped matmul.
 
-Forward and d lhs: tiles of `block_m` rows x `block_n` columns. A row tile may straddle
+Forward and d lhs: tiles of bm rows x `block_n` columns, bm the rows per group on average
+as a power of two between 16 and `block_m` (`_row_tile`). A row tile may straddle
 group boundaries, so the work items are (group, row tile) pairs: group g visits the row
-tiles from starts[g] // block_m to (ends[g] - 1) // block_m, and a program computes its
+tiles from starts[g] // bm to (ends[g] - 1) // bm, and a program computes its
 tile with rhs[g] and stores only the rows of g (masked loads and stores). The rows past
 the last group form one more "group" whose items store zeros. The items come from
-group_sizes in a few small jnp ops on the device (`_work_items`); their number is at most
-M / block_m + G (each of the G inner group boundaries splits at most one tile), which is
-the static grid. Items past the real count return at once. Items are numbered in group
+group_sizes in a few small jnp ops on the device, none of them a loop (`_work_items`);
+their number is at most M / bm + G (each of the G inner group boundaries splits at most
+one tile), which is the static grid. Items past the real count return at once. A
+straddled tile is computed once for each group in it, so the tiles cost about M + G x bm
+rows of products: with a few rows per group (a decode step's tokens x top_k over many
+experts) 16-row tiles, not `block_m`-row ones, keep that near M. Items are numbered in group
 order and each item's column tiles are adjacent program ids, so the programs that run
 together read the same rows of lhs and the same rhs[g] (they meet in L2).
 
@@ -119,12 +123,18 @@ def _group_bounds(group_sizes, m: int):
 
 
 def _work_items(starts, ends, bm: int, n_items: int):
-    """(group, row tile) of each of `n_items` work items, group -1 past the real ones."""
+    """(group, row tile) of each of `n_items` work items, group -1 past the real ones.
+
+    An item's group is found by comparing it with every group's last item ([items, G + 1],
+    one fused kernel), not by searchsorted's default binary search: that is a device loop,
+    which XLA's GPU runtime steps from the host, a few launches an iteration and a break
+    in the program's command buffers, for every grouped matmul of every MoE layer."""
     first = starts // bm
     count = jnp.where(ends > starts, (ends - 1) // bm - first + 1, 0)
     last_item = jnp.cumsum(count)  # one past each group's last item
     i = jnp.arange(n_items, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(last_item, i, side="right"), starts.shape[0] - 1)
+    group = jnp.minimum(jnp.searchsorted(last_item, i, side="right", method="compare_all"),
+                        starts.shape[0] - 1)
     tile = first[group] + i - (last_item[group] - count[group])
     group = jnp.where(i < last_item[-1], group, -1).astype(jnp.int32)
     return group, tile.astype(jnp.int32)
@@ -167,14 +177,28 @@ def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out
                        mask=row_ok[:, None] & col_ok[None, :])
 
 
+def _row_tile(m: int, groups: int, most: int) -> int:
+    """Rows of a forward / d lhs tile: the rows per group on average (m / groups) as a power
+    of two, at least 16 and at most `most` (BlockSizes.block_m)."""
+    return min(most, max(MIN_BLOCK, pl.next_power_of_2(pl.cdiv(m, groups))))
+
+
+def tiles(m: int, groups: int, n: int, bs: BlockSizes | None = None,
+          itemsize: int = 2) -> tuple[int, int]:
+    """(rows, columns) of the forward and d lhs tiles for lhs [m, K] x rhs [groups, K, n]
+    (bs: the default tiles of `itemsize`-byte inputs unless given)."""
+    bs = bs or default_block_sizes(itemsize)
+    return (_row_tile(m, groups, bs.block_m),
+            min(bs.block_n, max(MIN_BLOCK, pl.next_power_of_2(n))))
+
+
 def _gmm(lhs, rhs, group_sizes, out_dtype, *, trans_rhs: bool, bs: BlockSizes,
          interpret: bool):
     """lhs [M, K] x rhs [G, K, N] (trans_rhs: [G, N, K]) -> [M, N] in out_dtype."""
     m, k = lhs.shape
     g_count = rhs.shape[0]
     n = rhs.shape[1] if trans_rhs else rhs.shape[2]
-    bm = min(bs.block_m, max(MIN_BLOCK, pl.next_power_of_2(m)))
-    bn = min(bs.block_n, max(MIN_BLOCK, pl.next_power_of_2(n)))
+    bm, bn = tiles(m, g_count, n, bs)
     bk = _step(k, bs.block_k)
     n_items = pl.cdiv(m, bm) + g_count
     n_col_tiles = pl.cdiv(n, bn)
