@@ -107,13 +107,19 @@ def test_grid_and_backward_options(shape, causal, opts):
     (dict(block_kv=64), True, 64, 384, 400),
     # 192-key tiles: 3 query tiles over 2 persistent programs with one Q buffer (two
     # do not fit in shared memory beside the ring)
-    (dict(block_kv=192), False, 128, 384, 400)],
-    ids=["default_full_d128", "one_key_tile", "persistent_odd_tiles", "kv192_one_q_buffer"])
+    (dict(block_kv=192), False, 128, 384, 400),
+    # D 192 / Dv 128 with a 2-deep ring: Q double-buffered beside O's own tiles, 3 query
+    # tiles over 2 persistent programs
+    (dict(num_stages=2, dv=128), True, 192, 384, 400)],
+    ids=["default_full_d128", "one_key_tile", "persistent_odd_tiles", "kv192_one_q_buffer",
+         "mla_two_q_buffers"])
 def test_forward_paths(opts, causal, d, sq, skv):
     # Forward only; the simulator checks the ring's barriers (both slabs, a tile only one
     # of them sees, masked and unmasked tiles).
     b, hq, hkv = 1, 1, 1
-    q, k, v, *_ = flash_inputs(3, b, sq, skv, hq, hkv, d, causal, jnp.bfloat16)
+    opts = dict(opts)
+    q, k, v, *_ = flash_inputs(3, b, sq, skv, hq, hkv, d, causal, jnp.bfloat16,
+                               dv=opts.pop("dv", None))
     o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, **opts)
     with jax.default_matmul_precision("highest"):
         o_ref, lse_ref = reference.flash_attention_with_lse(
