@@ -21,6 +21,7 @@ import pytest
 from attention_inputs import flash_inputs
 from jaxllm.kernels import flash_attention, reference
 from jaxllm.kernels.pallas import flash_mosaic, flash_mosaic_fwd
+from jaxllm.kernels.pallas import mosaic_common as mg
 
 
 def _is_hopper():
@@ -35,9 +36,9 @@ def _is_hopper():
 hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the compiled kernels need a Hopper GPU")
 
 
-def _check(b, sq, skv, hq, hkv, d, causal, tol, seed=0, **opts):
+def _check(b, sq, skv, hq, hkv, d, causal, tol, seed=0, dv=None, **opts):
     dtype = jnp.bfloat16
-    q, k, v, do, dlse, seen = flash_inputs(seed, b, sq, skv, hq, hkv, d, causal, dtype)
+    q, k, v, do, dlse, seen = flash_inputs(seed, b, sq, skv, hq, hkv, d, causal, dtype, dv=dv)
     kern = functools.partial(flash_mosaic.flash_attention_with_lse, causal=causal, **opts)
     (o, lse), vjp = jax.vjp(kern, q, k, v)
     grads = vjp((do, dlse))
@@ -47,6 +48,7 @@ def _check(b, sq, skv, hq, hkv, d, causal, tol, seed=0, **opts):
         grads_ref = vjp_ref((do.astype(jnp.float32), dlse))
 
     assert o.dtype == dtype and lse.dtype == jnp.float32 and lse.shape == (b, hq, sq)
+    assert o.shape == (b, sq, hq, v.shape[-1])
     o32 = o.astype(jnp.float32)
     np.testing.assert_allclose(o32[:, seen], o_ref[:, seen], atol=tol, rtol=tol)
     np.testing.assert_allclose(lse[:, :, seen], lse_ref[:, :, seen], atol=tol, rtol=tol)
@@ -105,19 +107,44 @@ def test_grid_and_backward_options(shape, causal, opts):
     (dict(block_kv=64), True, 64, 384, 400),
     # 192-key tiles: 3 query tiles over 2 persistent programs with one Q buffer (two
     # do not fit in shared memory beside the ring)
-    (dict(block_kv=192), False, 128, 384, 400)],
-    ids=["default_full_d128", "one_key_tile", "persistent_odd_tiles", "kv192_one_q_buffer"])
+    (dict(block_kv=192), False, 128, 384, 400),
+    # D 192 / Dv 128 with a 2-deep ring: Q double-buffered beside O's own tiles, 3 query
+    # tiles over 2 persistent programs
+    (dict(num_stages=2, dv=128), True, 192, 384, 400)],
+    ids=["default_full_d128", "one_key_tile", "persistent_odd_tiles", "kv192_one_q_buffer",
+         "mla_two_q_buffers"])
 def test_forward_paths(opts, causal, d, sq, skv):
     # Forward only; the simulator checks the ring's barriers (both slabs, a tile only one
     # of them sees, masked and unmasked tiles).
     b, hq, hkv = 1, 1, 1
-    q, k, v, *_ = flash_inputs(3, b, sq, skv, hq, hkv, d, causal, jnp.bfloat16)
+    opts = dict(opts)
+    q, k, v, *_ = flash_inputs(3, b, sq, skv, hq, hkv, d, causal, jnp.bfloat16,
+                               dv=opts.pop("dv", None))
     o, lse = flash_mosaic.flash_attention_with_lse(q, k, v, causal=causal, **opts)
     with jax.default_matmul_precision("highest"):
         o_ref, lse_ref = reference.flash_attention_with_lse(
             *(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
     np.testing.assert_allclose(o.astype(jnp.float32), o_ref, atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(lse, lse_ref, atol=2e-2, rtol=2e-2)
+
+
+# MLA's head dims: D 192 (three 64-column chunks for Q K^T) with Dv 128, the default
+# configs (64-key tiles, a 3-deep ring, O staged in its own tiles).
+MLA_CASES = [
+    # causal, GQA 2, Sq < Skv: 4 key tiles through the 3-deep ring, masked and unmasked
+    ((1, 128, 200, 2, 1), True),
+    # full attention (the overlapped schedule), ragged query and key tails
+    ((1, 70, 150, 1, 1), False),
+    # causal, 3 query tiles over the simulator's 2 persistent programs: one program
+    # stages two tiles' O in the same tiles; Sq > Skv, 30 rows see no key
+    ((1, 330, 300, 1, 1), True),
+]
+
+
+@pytest.mark.parametrize("shape, causal", MLA_CASES,
+                         ids=["causal_gqa2", "full_ragged", "causal_persistent"])
+def test_mla_head_dims_match_reference(shape, causal):
+    _check(*shape, 192, causal=causal, tol=2e-2, dv=128)
 
 
 def test_non_positive_scale():
@@ -220,10 +247,34 @@ def test_default_configs_by_mask():
     assert bwd.compute_wgs_bwd == 1 and not (bwd.persistent_dq or bwd.overlap_bwd)
 
 
+def test_default_configs_mla_fit_shared_memory():
+    # D 192 / Dv 128: 64-key tiles 3 deep beside Q and O's own tiles; backward as at D 128
+    for causal in (True, False):
+        fwd = flash_mosaic.default_fwd_config(192, causal, v_head_dim=128)
+        assert (fwd.block_kv, fwd.num_stages, fwd.block_q) == (64, 3, 64)
+        assert fwd.schedule == flash_mosaic.default_fwd_config(128, causal).schedule
+        assert flash_mosaic_fwd.tile_bytes(fwd.block_q, fwd.block_kv, fwd.num_stages, 192,
+                                           dv=128) <= mg.SMEM_BUDGET
+        assert (flash_mosaic.default_bwd_config(192, causal, v_head_dim=128)
+                == flash_mosaic.default_bwd_config(128, causal))
+    # equal dims: O staged in the spent Q tile, no bytes of its own
+    assert flash_mosaic_fwd.tile_bytes(64, 128, 2, 128, dv=128) == (128 + 512) * 128 * 2
+
+
 def test_bad_inputs_raise():
     q = jnp.ones((1, 8, 2, 96), jnp.bfloat16)
     with pytest.raises(ValueError, match="head_dim=96"):
         flash_mosaic.flash_attention(q, q[:, :, :1], q[:, :, :1])
+    q192 = jnp.ones((1, 8, 2, 192), jnp.bfloat16)
+    for dv in (64, 192):  # pairs without a kernel configuration
+        with pytest.raises(ValueError, match=f"head_dim=192 with v_head_dim={dv} is not "
+                                             r"supported by pallas_mosaic.*\(192, 128\)"):
+            flash_mosaic.flash_attention(q192, q192, jnp.ones((1, 8, 2, dv), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"v \[B, Skv, Hkv, Dv\]"):
+        flash_mosaic.flash_attention(q192, q192, jnp.ones((1, 9, 2, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="v_head_dim=128; a CTA has"):
+        flash_mosaic.flash_attention(q192, q192, jnp.ones((1, 8, 2, 128), jnp.bfloat16),
+                                     block_kv=128)
     q = jnp.ones((1, 8, 2, 64), jnp.float32)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         flash_mosaic.flash_attention(q, q, q)
@@ -245,9 +296,11 @@ def test_bad_inputs_raise():
 
 
 _GPU_SHAPES = {"gqa4_d128": (2, 1024, 1024, 8, 2, 128),
+               "mla_d192_dv128": (1, 1500, 1500, 8, 8, 192),
                "mqa_d64_sq_lt_skv": (1, 1000, 2500, 8, 1, 64),
                "mha_d256": (1, 777, 777, 4, 4, 256),
                "sq_gt_skv": (1, 2500, 1000, 4, 1, 128)}
+_GPU_DV = {"mla_d192_dv128": 128}  # the value head dim where it differs
 
 
 @hopper_only
@@ -255,7 +308,7 @@ _GPU_SHAPES = {"gqa4_d128": (2, 1024, 1024, 8, 2, 128),
 @pytest.mark.parametrize("name", list(_GPU_SHAPES))
 def test_gpu_long_bf16(name, causal):
     # the default configs
-    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2)
+    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2, dv=_GPU_DV.get(name))
 
 
 @hopper_only
@@ -263,7 +316,8 @@ def test_gpu_long_bf16(name, causal):
 @pytest.mark.parametrize("name", list(_GPU_SHAPES))
 def test_gpu_other_max(name, causal):
     # the forward's other softmax shift: the running max (the default is fixed_max)
-    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2, fixed_max=False)
+    _check(*_GPU_SHAPES[name], causal=causal, tol=3e-2, dv=_GPU_DV.get(name),
+           fixed_max=False)
 
 
 @hopper_only

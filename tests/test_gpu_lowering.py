@@ -82,3 +82,16 @@ def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
                                             **opts).astype(jnp.float32).sum()
     _lowers(jax.grad(loss, argnums=(0, 1, 2)), ((1, 256, 4, d), BF16),
             ((1, skv, 2, d), BF16), ((1, skv, 2, d), BF16))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("opts", [{}, dict(overlap_bwd=False), dict(persistent_dq=True)],
+                         ids=["default", "serial_bwd", "persistent_dq"])
+def test_flash_mosaic_mla_head_dims_lower(causal, opts):
+    # MLA's query-key head dim 192 (three 64-column chunks) with value head dim 128: O has
+    # its own staging tiles in the forward, dV and dO are narrower than dK and Q
+    def loss(q, k, v):
+        return flash_mosaic.flash_attention(q, k, v, causal=causal, interpret=False,
+                                            **opts).astype(jnp.float32).sum()
+    _lowers(jax.grad(loss, argnums=(0, 1, 2)), ((1, 256, 4, 192), BF16),
+            ((1, 384, 2, 192), BF16), ((1, 384, 2, 128), BF16))

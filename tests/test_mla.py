@@ -94,7 +94,8 @@ def test_flash_with_value_dim_unlike_query_key_dim():
     chex.assert_trees_all_close(jax.jit(jax.value_and_grad(triton, (0, 1, 2)))(q, k, v),
                                 jax.jit(jax.value_and_grad(ref, (0, 1, 2)))(q, k, v),
                                 atol=1e-4, rtol=1e-4)
-    # the Mosaic kernel and cuDNN (through jax.nn) take one head dim: they say so
+    # the Mosaic kernel takes no pair of unequal head dims but 192 / 128 (see
+    # tests/test_flash_mosaic.py), cuDNN (through jax.nn) one head dim: they say so
     half = [jax.ShapeDtypeStruct(x.shape[:3] + (128 if i < 2 else 64,), jnp.bfloat16)
             for i, x in enumerate((q, k, v))]
     from jaxllm.kernels.pallas.flash_mosaic import unsupported_reason

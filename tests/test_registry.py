@@ -39,6 +39,18 @@ def test_flash_auto_on_a_hopper_gpu(on_gpu, d, dtype, want):
     assert pick("flash", "auto", *_qkv(d, dtype)).name == want
 
 
+def test_flash_auto_mla_head_dims(on_gpu):
+    # MLA's D 192 with Dv 128: our Mosaic kernel on a Hopper; without one, cuDNN (through
+    # jax.nn) does not take the pair and pallas_triton does
+    q = jax.ShapeDtypeStruct((1, 8, 4, 192), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 8, 4, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 8, 4, 128), jnp.bfloat16)
+    assert pick("flash", "auto", q, k, v).name == "pallas_mosaic"
+    assert pick("flash", "auto", q, k, k).name == "cudnn"  # 192/192: no Mosaic config
+    on_gpu(False)
+    assert pick("flash", "auto", q, k, v).name == "pallas_triton"
+
+
 def test_auto_on_an_older_gpu_and_on_the_cpu(on_gpu, monkeypatch):
     on_gpu(False)  # no Hopper: no Mosaic kernel
     assert pick("flash", "auto", *_qkv(128)).name == "cudnn"

@@ -82,7 +82,7 @@ IMPLS = (
          platforms=_INTERPRETED, with_lse=f"{_PALLAS}.flash_triton:flash_attention_with_lse",
          check=f"{_PALLAS}.flash_triton:unsupported_reason"),
     Impl("flash", "pallas_mosaic", f"{_PALLAS}.flash_mosaic:flash_attention",
-         platforms=_INTERPRETED, hopper=True, dtypes=_HALF, head_dims=(64, 128, 256),
+         platforms=_INTERPRETED, hopper=True, dtypes=_HALF, head_dims=(64, 128, 192, 256),
          with_lse=f"{_PALLAS}.flash_mosaic:flash_attention_with_lse",
          check=f"{_PALLAS}.flash_mosaic:unsupported_reason"),
     Impl("paged", "reference", f"{_REF}:paged_attention"),
@@ -108,10 +108,14 @@ IMPLS = (
 
 # The fastest correct implementation first (docs/performance.md). Flash: our Mosaic kernel
 # leads cuDNN at D 128, forward and forward+backward; cuDNN leads forward+backward at
-# D 64 and 256. Every order ends with an implementation that takes any input.
+# D 64 and 256. D 192 is MLA's (v head dim 128), which cuDNN through
+# jax.nn.dot_product_attention does not take: pallas_mosaic is put first there ahead of
+# pallas_triton (which pads 192 to 256) before it was measured; `benchmarks/attention.py
+# --mla` compares the two with cuDNN. Every order ends with an implementation that takes
+# any input.
 AUTO = (
     AutoOrder("flash", "gpu", ("pallas_mosaic", "cudnn", "pallas_triton", "xla"),
-              head_dims=(128,)),
+              head_dims=(128, 192)),
     AutoOrder("flash", "gpu", ("cudnn", "pallas_mosaic", "pallas_triton", "xla")),
     AutoOrder("flash", None, ("reference",)),
     AutoOrder("paged", "gpu", ("pallas_triton", "reference")),

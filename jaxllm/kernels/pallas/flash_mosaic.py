@@ -1,6 +1,9 @@
 """FlashAttention for Hopper in Pallas with the Mosaic GPU lowering: forward, LSE, backward.
 
-q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D], f16 or bf16, D in (64, 128, 256). Every kernel is
+q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], f16 or bf16, (D, Dv) one of
+HEAD_DIMS: 64, 128 or 256 for both, or MLA's 192 / 128 (DeepSeek-V3's 128 nope + 64 rope
+query-key dims, 128 value dims; Q K^T contracts over three 64-column swizzled chunks,
+P V, dO V^T, O and dV are Dv wide, dQ and dK D wide). Every kernel is
 warp-specialised in the FlashAttention-3 manner: one producer warpgroup issues TMA copies
 of the streamed tiles into a `num_stages`-deep shared-memory ring (a "loaded" barrier per
 slot, signalled by the TMA unit, and a "free" barrier per slot, signalled by the
@@ -50,7 +53,7 @@ from jaxllm.kernels.pallas.flash_mosaic_fwd import forward
 from jaxllm.kernels.pallas.flash_mosaic_fwd import tile_bytes as fwd_tile_bytes
 from jaxllm.kernels.pallas.mosaic_common import LOG2E
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))  # (D, Dv) pairs
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SCHEDULES = ("pingpong", "overlapped")
 
@@ -113,10 +116,19 @@ class BwdConfig:
             raise ValueError(f"compute_wgs_bwd={self.compute_wgs_bwd} must be 1 or 2")
 
 
-def default_fwd_config(head_dim: int, causal: bool = True) -> FwdConfig:
+def default_fwd_config(head_dim: int, causal: bool = True,
+                       v_head_dim: int | None = None) -> FwdConfig:
     """The measured fastest forward for a head dim and mask: the ping-pong schedule,
     except full attention at D = 128 (overlapped); at D = 256, 64-key tiles so that Q
-    and the ring fit in shared memory, and one CTA per item."""
+    and the ring fit in shared memory, and one CTA per item.
+
+    D 192 / Dv 128 (MLA; not yet measured): the schedules of D 128 (the O accumulator is
+    as wide), with 64-key tiles 3 deep: Q (48 KiB), O's own staging tiles (32 KiB) and a
+    ring of 128-key tiles (160 KiB) would not fit in shared memory, 64-key tiles take
+    40 KiB a stage."""
+    if v_head_dim not in (None, head_dim):
+        return FwdConfig(block_kv=64, num_stages=3,
+                         schedule="pingpong" if causal else "overlapped")
     if head_dim >= 256:
         return FwdConfig(block_kv=64, persistent=False)
     if not causal and head_dim == 128:
@@ -124,9 +136,16 @@ def default_fwd_config(head_dim: int, causal: bool = True) -> FwdConfig:
     return FwdConfig()
 
 
-def default_bwd_config(head_dim: int, causal: bool = True) -> BwdConfig:
+def default_bwd_config(head_dim: int, causal: bool = True,
+                       v_head_dim: int | None = None) -> BwdConfig:
     """The measured fastest backward: a persistent dq for full attention; at D = 256 one
-    compute warpgroup a CTA (its tiles and ring fill shared memory), products in turn."""
+    compute warpgroup a CTA (its tiles and ring fill shared memory), products in turn.
+
+    D 192 / Dv 128 (MLA; not yet measured): D 128's, whose tiles and rings take 160 KiB
+    there (dq: Q, dO and a 2-deep K/V ring of 64 rows each; dk/dv alike); dq keeps one
+    Q buffer (kernels.pallas.flash_mosaic_bwd: two only at D <= 128). Its dK and dV
+    accumulators take 160 of a compute thread's 240 registers."""
+    del v_head_dim  # the same choices at Dv = D and at D 192 / Dv 128
     if head_dim >= 256:
         return BwdConfig(compute_wgs_bwd=1, overlap_bwd=False)
     return BwdConfig(persistent_dq=not causal)
@@ -185,14 +204,12 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def unsupported_reason(q, k, v) -> str | None:
     """None when the kernels can run these inputs, else why not (for `impl="auto"`)."""
-    d = q.shape[-1]
-    if d not in HEAD_DIMS:
-        return f"head_dim={d} is not supported by pallas_mosaic (choose one of {HEAD_DIMS})"
+    d, dv = q.shape[-1], v.shape[-1]
+    if (d, dv) not in HEAD_DIMS:
+        return (f"head_dim={d} with v_head_dim={dv} is not supported by pallas_mosaic; it "
+                f"takes (head_dim, v_head_dim) in {HEAD_DIMS} (or use impl='pallas_triton')")
     if jnp.dtype(q.dtype) not in DTYPES:
         return f"pallas_mosaic takes bfloat16 or float16 inputs; got {jnp.dtype(q.dtype)}"
-    if v.shape[-1] != d:
-        return (f"pallas_mosaic takes one head dim for q, k and v; got {d} and "
-                f"v_head_dim={v.shape[-1]}")
     return None
 
 
@@ -200,11 +217,12 @@ _FWD_FIELDS = {f.name for f in dataclasses.fields(FwdConfig)}
 _BWD_FIELDS = {f.name for f in dataclasses.fields(BwdConfig)}
 
 
-def _configs(head_dim: int, causal: bool, opts: dict) -> tuple[FwdConfig, BwdConfig]:
-    """The configs the options ask for: `fwd=` / `bwd=` (default: the tuned ones for this
-    head dim and mask), then any of their fields by name on top."""
-    fwd = opts.pop("fwd", None) or default_fwd_config(head_dim, causal)
-    bwd = opts.pop("bwd", None) or default_bwd_config(head_dim, causal)
+def _configs(head_dim: int, v_head_dim: int, causal: bool,
+             opts: dict) -> tuple[FwdConfig, BwdConfig]:
+    """The configs the options ask for: `fwd=` / `bwd=` (default: the tuned ones for these
+    head dims and mask), then any of their fields by name on top."""
+    fwd = opts.pop("fwd", None) or default_fwd_config(head_dim, causal, v_head_dim)
+    bwd = opts.pop("bwd", None) or default_bwd_config(head_dim, causal, v_head_dim)
     if not isinstance(fwd, FwdConfig) or not isinstance(bwd, BwdConfig):
         raise ValueError(f"fwd must be a flash_mosaic.FwdConfig and bwd a BwdConfig; got "
                          f"{type(fwd).__name__}, {type(bwd).__name__}")
@@ -214,39 +232,46 @@ def _configs(head_dim: int, causal: bool, opts: dict) -> tuple[FwdConfig, BwdCon
                          f"{sorted(_FWD_FIELDS | _BWD_FIELDS)}")
     fwd = dataclasses.replace(fwd, **{n: v for n, v in opts.items() if n in _FWD_FIELDS})
     bwd = dataclasses.replace(bwd, **{n: v for n, v in opts.items() if n in _BWD_FIELDS})
-    fwd_bytes = fwd_tile_bytes(fwd.block_q, fwd.block_kv, fwd.num_stages, head_dim)
+    fwd_bytes = fwd_tile_bytes(fwd.block_q, fwd.block_kv, fwd.num_stages, head_dim,
+                               dv=v_head_dim)
     if fwd_bytes > mg.SMEM_BUDGET:
+        dims = f"head_dim={head_dim}" + ("" if v_head_dim == head_dim
+                                         else f", v_head_dim={v_head_dim}")
         raise ValueError(f"the forward's tiles (Q: 2 x block_q={fwd.block_q} rows; K/V ring: "
                          f"num_stages={fwd.num_stages} x block_kv={fwd.block_kv} keys) take "
-                         f"{fwd_bytes // 1024} KiB of shared memory at head_dim={head_dim}; "
-                         f"a CTA has {mg.SMEM_BUDGET // 1024} KiB")
+                         f"{fwd_bytes // 1024} KiB of shared memory at {dims}; "
+                         f"a CTA has {mg.SMEM_BUDGET // 1024} KiB: lower block_kv or "
+                         f"num_stages")
     return fwd, bwd
 
 
 def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
                              interpret: bool | None = None, **kwargs):
-    """(o [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] float32, natural log); both differentiable.
+    """(o [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] float32, natural log); both
+    differentiable. q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv].
 
     kwargs: `fwd=FwdConfig(...)`, `bwd=BwdConfig(...)` and/or any of their fields by
     name (e.g. block_kv=64), over the defaults for the head dim and mask.
     Rows that see no key (causal, Sq > Skv) give o = 0 and lse = -inf. `interpret`
     (default: on the CPU) runs the kernels in JAX's Mosaic GPU simulator.
     """
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or q.shape[2] % k.shape[2]:
-        raise ValueError(f"expected q [B, Sq, Hq, D], k = v [B, Skv, Hkv, D] with Hq % Hkv == 0;"
-                         f" got q{q.shape} k{k.shape} v{v.shape}")
+    if (q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]
+            or k.shape[3] != q.shape[3] or q.shape[2] % k.shape[2]):
+        raise ValueError(f"expected q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv] "
+                         f"with Hq % Hkv == 0; got q{q.shape} k{k.shape} v{v.shape}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     why = unsupported_reason(q, k, v)
     if why:
         raise ValueError(why)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    fwd, bwd = _configs(q.shape[-1], bool(causal), dict(kwargs))
+    fwd, bwd = _configs(q.shape[-1], v.shape[-1], bool(causal), dict(kwargs))
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     return _flash(q, k, v, bool(causal), scale, fwd, bwd, bool(interpret))
 
 
 def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None, **kwargs):
-    """q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] -> [B, Sq, Hq, D]; see kernels.flash_attention."""
+    """q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [.., Dv] -> [B, Sq, Hq, Dv]; see
+    kernels.flash_attention."""
     return flash_attention_with_lse(q, k, v, causal=causal, sm_scale=sm_scale, **kwargs)[0]

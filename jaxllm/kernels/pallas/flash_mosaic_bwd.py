@@ -8,6 +8,9 @@
             in turn, so dk/dv are summed over the group in registers.
             dV += P^T dO, dK += dS^T Q (computed transposed: S^T = K Q^T).
 
+dQ and dK are D wide (the query-key head dim), dO, V and dV Dv wide (the value head dim;
+S = Q K^T contracts over D, dP = dO V^T over Dv).
+
 cfg is a flash_mosaic.BwdConfig; with cfg.overlap_bwd a step issues its two score
 products (S and dP) together and works on the first while the second runs.
 """
@@ -31,7 +34,7 @@ BWD_REGISTERS = {2: (240, 24), 1: (240, 40)}
 def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, skv, offset, interpret):
     """dQ [B, Sq_p, Hq, D]: each warpgroup owns block_q_dq query rows, K/V tiles stream."""
     b, sq_p, hq, d = q.shape
-    skv_p, hkv = k.shape[1], k.shape[2]
+    skv_p, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
     bq, bk, stages, n_wg = cfg.block_q_dq, cfg.block_kv_dq, cfg.num_stages_bwd, cfg.compute_wgs_bwd
     n_qt, n_kv = sq_p // (n_wg * bq), skv_p // bk
@@ -134,9 +137,9 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, skv, offset, inte
                                 (k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free))
 
     scratch = [
-        mg.smem((n_buf, n_wg, bq, d), dtype), mg.smem((n_buf, n_wg, bq, d), dtype),
+        mg.smem((n_buf, n_wg, bq, d), dtype), mg.smem((n_buf, n_wg, bq, dv), dtype),
         plgpu.SMEM((n_buf, n_wg, bq), jnp.float32), plgpu.SMEM((n_buf, n_wg, bq), jnp.float32),
-        mg.smem((stages, bk, d), dtype), mg.smem((stages, bk, d), dtype),
+        mg.smem((stages, bk, d), dtype), mg.smem((stages, bk, dv), dtype),
         plgpu.Barrier(num_arrivals=4, num_barriers=n_buf * n_wg),
         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
@@ -148,10 +151,10 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, skv, offset, inte
 
 
 def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpret):
-    """dK, dV [B, Skv_p, Hkv, D]: each warpgroup owns block_kv_dkv keys; the Q, dO, LSE
-    and delta tiles of every query head of the GQA group stream past them in turn."""
+    """dK [B, Skv_p, Hkv, D], dV [.., Dv]: each warpgroup owns block_kv_dkv keys; the Q,
+    dO, LSE and delta tiles of every query head of the GQA group stream past them in turn."""
     b, sq_p, hq, d = q.shape
-    skv_p, hkv = k.shape[1], k.shape[2]
+    skv_p, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
     bq, bk = cfg.block_q_dkv, cfg.block_kv_dkv
     stages, n_wg = cfg.num_stages_bwd, cfg.compute_wgs_bwd
@@ -219,7 +222,7 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
                         plgpu.wgmma(dk_ref, dst, q_t)
                         return (plgpu.wgmma_accumulator_load(dk_ref, wait_n=0),
                                 plgpu.wgmma_accumulator_load(dv_ref, wait_n=0))
-                    shapes = [(bk, bq), (bk, bq), (bk, d), (bk, d)]
+                    shapes = [(bk, bq), (bk, bq), (bk, dv_dim), (bk, d)]
                     dk, dv = pl.run_scoped(scoped, *(plgpu.ACC(sh, jnp.float32) for sh in shapes))
                 else:  # each product awaited before the next (and the simulator)
                     pt = probs(mg.dot(k_tile, q_t, trans_b=True, sim=sim))
@@ -244,7 +247,8 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
                 return lax.fori_loop(full_w, n_q, functools.partial(
                     step, first=first, masked=False), carry)
 
-            dk, dv = lax.fori_loop(0, group, head, (mg.zeros((bk, d), sim), mg.zeros((bk, d), sim)))
+            dk, dv = lax.fori_loop(0, group, head,
+                                   (mg.zeros((bk, d), sim), mg.zeros((bk, dv_dim), sim)))
             k_tile[...] = (dk * scale).astype(dtype)
             v_tile[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -278,14 +282,14 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
                 (vec(lse_ref), lse_ring), (vec(delta_ref), delta_ring)])])
 
     scratch = [
-        mg.smem((n_wg, bk, d), dtype), mg.smem((n_wg, bk, d), dtype),
-        mg.smem((stages, bq, d), dtype), mg.smem((stages, bq, d), dtype),
+        mg.smem((n_wg, bk, d), dtype), mg.smem((n_wg, bk, dv_dim), dtype),
+        mg.smem((stages, bq, d), dtype), mg.smem((stages, bq, dv_dim), dtype),
         plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
         plgpu.Barrier(num_arrivals=2, num_barriers=n_wg),
         plgpu.Barrier(num_arrivals=4, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
     ]
-    kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-    return mg.launch(kernel, [kv_type, kv_type], scratch, grid=(n_kt, hkv, b),
+    out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
+    return mg.launch(kernel, out_type, scratch, grid=(n_kt, hkv, b),
                      grid_names=("kv_seq", "heads", "batch"), compute_wgs=n_wg,
                      name="flash_dkdv", interpret=interpret)(q, k, v, do, lse2, delta)

@@ -35,15 +35,22 @@ FLAG_SCRATCH = 64  # shared-memory bytes of the warpgroup-wide reduction to a ti
 
 
 def tile_bytes(block_q: int, block_kv: int, stages: int, d: int, itemsize: int = 2,
-               q_buffers: int = 1) -> int:
-    """Shared memory of the forward's Q tiles (q_buffers of them) and its K/V ring."""
-    return (q_buffers * N_WG * block_q + 2 * stages * block_kv) * d * itemsize
+               q_buffers: int = 1, dv: int | None = None) -> int:
+    """Shared memory of the forward's Q tiles (q_buffers of them), its K/V ring and, when
+    the value head dim dv differs from the query-key dim d, the O tiles that stage the
+    output (else the spent Q tile stages it)."""
+    dv = d if dv is None else dv
+    o_tiles = 0 if dv == d else N_WG * block_q * dv
+    return (q_buffers * N_WG * block_q * d + stages * block_kv * (d + dv) + o_tiles) * itemsize
 
 
 def forward(q, k, v, *, causal, scale, cfg, skv, offset, interpret):
-    """Padded q [B, Sq_p, Hq, D], k/v [B, Skv_p, Hkv, D] -> o, lse [B, Hq, Sq_p] (natural)."""
+    """Padded q [B, Sq_p, Hq, D], k [B, Skv_p, Hkv, D], v [B, Skv_p, Hkv, Dv] -> o [B, Sq_p,
+    Hq, Dv], lse [B, Hq, Sq_p] (natural). Q K^T contracts over D, P V and O are Dv wide."""
     b, sq_p, hq, d = q.shape
-    skv_p, hkv = k.shape[1], k.shape[2]
+    skv_p, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    # O is staged for its TMA store in the spent Q tile, or in tiles of its own when Dv != D
+    own_o = dv != d
     group = hq // hkv
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
     pingpong = cfg.schedule == "pingpong"
@@ -60,7 +67,7 @@ def forward(q, k, v, *, causal, scale, cfg, skv, offset, interpret):
     # A program that runs several tiles double-buffers Q (the next tile's Q loads during
     # this one) where shared memory allows: not at D = 256, nor beside a ring of
     # 192-key tiles at D = 128.
-    fits_two = tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=2) <= mg.SMEM_BUDGET
+    fits_two = tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=2, dv=dv) <= mg.SMEM_BUDGET
     n_qbuf = 2 if order.multi and fits_two else 1
     # fixed_max needs scale > 0 (its paths mask the raw scores and scale them inside
     # exp2: masked -inf times c <= 0 is not -inf) and room beside the tiles for a flag per
@@ -68,15 +75,17 @@ def forward(q, k, v, *, causal, scale, cfg, skv, offset, interpret):
     max_tiles = -(-order.n_items // order.programs)
     flag_bytes = mg.round_up(n_wg * max_tiles * 4, 128) + 128 + mg.round_up(FLAG_SCRATCH, 128)
     fixed_max = (cfg.fixed_max and c > 0 and
-                 tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=n_qbuf)
+                 tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=n_qbuf, dv=dv)
                  + flag_bytes + 1024 <= mg.SMEM_BUDGET)
 
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
-               q_bar, k_bar, v_bar, k_free, v_free, sched, *redo_scratch):
+               q_bar, k_bar, v_bar, k_free, v_free, sched, *extra_scratch):
         pid, wg = lax.axis_index("programs"), lax.axis_index("wg")
         n_mine = order.count(pid)
+        extra_scratch = list(extra_scratch)
+        o_smem = extra_scratch.pop() if own_o else None
         if fixed_max:
-            flags, flags_bar = redo_scratch
+            flags, flags_bar = extra_scratch
 
             def flagged(i):  # a row of tile i overflowed in either warpgroup's slab
                 return sum(flags[i, w] for w in range(n_wg)) > 0
@@ -249,7 +258,7 @@ def forward(q, k, v, *, causal, scale, cfg, skv, offset, interpret):
                 return _
 
             row_layout = plgpu.Layout.WGMMA.reduce(1)
-            carry = (mg.zeros((bq, d), interpret),
+            carry = (mg.zeros((bq, dv), interpret),
                      mg.layout(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout, interpret),
                      mg.layout(jnp.zeros((bq,), jnp.float32), row_layout, interpret))
             pl.when(wg == 1)(sync)
@@ -265,9 +274,12 @@ def forward(q, k, v, *, causal, scale, cfg, skv, offset, interpret):
             l_safe = jnp.where(empty, 1.0, l)
             o = acc * mg.bcast_rows(1.0 / l_safe, acc.shape)
             lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
-            q_tile[...] = o.astype(dtype)  # Q is spent: its buffer stages O
+            # Q is spent: its buffer stages O (Dv = D). The stores of the last tile have
+            # read O's own tiles before this one started (consume_tiles waits for them).
+            o_tile = o_smem.at[wg] if own_o else q_tile
+            o_tile[...] = o.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_tile, o_ref.at[bi, pl.ds(q_base, bq), h],
+            plgpu.copy_smem_to_gmem(o_tile, o_ref.at[bi, pl.ds(q_base, bq), h],
                                     commit_group=False)
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, h, pl.ds(q_base, bq)],
                                     commit_group=False)
@@ -314,7 +326,7 @@ def forward(q, k, v, *, causal, scale, cfg, skv, offset, interpret):
 
     scratch = [
         mg.smem((n_qbuf, n_wg, bq, d), dtype),
-        mg.smem((stages, bk, d), dtype), mg.smem((stages, bk, d), dtype),
+        mg.smem((stages, bk, d), dtype), mg.smem((stages, bk, dv), dtype),
         plgpu.SMEM((n_wg, bq), jnp.float32),
         plgpu.Barrier(num_barriers=n_qbuf * n_wg),
         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
@@ -324,7 +336,9 @@ def forward(q, k, v, *, causal, scale, cfg, skv, offset, interpret):
     ]
     if fixed_max:  # a flag per tile and warpgroup; the compute warpgroups' last tile done
         scratch += [plgpu.SMEM((max_tiles, n_wg), jnp.int32), plgpu.Barrier(num_arrivals=n_wg)]
-    out_type = [jax.ShapeDtypeStruct(q.shape, dtype),
+    if own_o:
+        scratch.append(mg.smem((n_wg, bq, dv), dtype))
+    out_type = [jax.ShapeDtypeStruct((b, sq_p, hq, dv), dtype),
                 jax.ShapeDtypeStruct((b, hq, sq_p), jnp.float32)]
     return mg.launch(kernel, out_type, scratch, grid=(order.programs,), grid_names=("programs",),
                      compute_wgs=n_wg, name="flash_fwd", interpret=interpret,
