@@ -39,7 +39,8 @@ softmax of tile j run while P_{j-1} V_{j-1} is still in the tensor pipe.
 
 Epilogue: each warpgroup divides O_w by l, stages it in bf16 in its own columns of the
 spent Q tile (warpgroup w's O columns are columns the other warpgroup's score
-products no longer read once the last exchange is passed) and TMA-stores it; warpgroup 0
+products no longer read once the last exchange is passed) and TMA-stores it, 8 heads a
+copy (a column slice is contiguous one 8-row tile at a time); warpgroup 0
 stores the log-sum-exp. When B x head blocks CTAs would leave SMs idle, the context is
 split over several CTAs (flash-decoding): each writes its normalised partial output (in
 q's dtype) and log-sum-exp, merged by log-sum-exp after the kernel
@@ -81,6 +82,20 @@ def smem_bytes(dk: int, block_k: int, stages: int, itemsize: int = 2) -> int:
     """Shared memory of the Q block, the latent ring, the exchange slots and the LSE."""
     return ((HEADS + stages * block_k) * dk * itemsize
             + 2 * N_WG * HEADS * block_k * 4 + HEADS * 4)
+
+
+def swizzle(block_k: int, itemsize: int = 2) -> int:
+    """The shared-memory swizzle of Q and the ring: wgmma contracts in groups of a swizzle
+    row (128 bytes: 64 16-bit values), and P V contracts over the tile's block_k tokens,
+    so 32-token tiles take a 64-byte swizzle."""
+    return min(128, block_k * itemsize)
+
+
+def _smem(shape, dtype, swz: int):
+    """Shared memory in the layout wgmma reads: tiles of 8 rows of one swizzle row."""
+    cols = swz // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
+                                                plgpu.SwizzleTransform(swz)))
 
 
 def qk_columns(dk: int, w: int) -> tuple[int, int]:
@@ -180,8 +195,13 @@ def _kernel(layer_ref, lengths_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref,
         if w == 0:
             lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, split, pl.ds(hb * HEADS, HEADS),
-                                                 pl.ds(w * vh, vh)], commit_group=False)
+        # A column slice of Q is contiguous in shared memory one 8-row tile at a time,
+        # and a TMA copy wants contiguous shared memory: one copy per 8 heads.
+        for r in range(0, HEADS, 8):
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(r, 8)],
+                o_ref.at[b, split, pl.ds(hb * HEADS + r, 8), pl.ds(w * vh, vh)],
+                commit_group=False)
         if w == 0:
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(hb * HEADS, HEADS)],
                                     commit_group=False)
@@ -313,9 +333,10 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
         tiles_per_split=tiles_per_split, n_table=n_table, pool_pages=rows_total // n_layers,
         scale_log2=float(sm_scale) * LOG2E, sim=bool(interpret))
     dtype = q.dtype
+    swz = swizzle(block_k, itemsize)
     scratch = [
-        mg.smem((HEADS, dk), dtype),
-        mg.smem((num_stages, block_k, dk), dtype),
+        _smem((HEADS, dk), dtype, swz),
+        _smem((num_stages, block_k, dk), dtype, swz),
         mg.smem((2, N_WG, HEADS, block_k), jnp.float32),  # exchange: tile parity, warpgroup
         plgpu.SMEM((HEADS,), jnp.float32),
         plgpu.Barrier(),
