@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxllm.kernels.pallas import flash_mosaic, flash_triton, gemv_triton, paged_triton
+from jaxllm.kernels.pallas import (flash_mosaic, flash_triton, gemv_triton, mla_mosaic,
+                                   paged_triton)
 
 BF16 = jnp.bfloat16
 
@@ -95,3 +96,23 @@ def test_flash_mosaic_mla_head_dims_lower(causal, opts):
                                             **opts).astype(jnp.float32).sum()
     _lowers(jax.grad(loss, argnums=(0, 1, 2)), ((1, 256, 4, 192), BF16),
             ((1, 384, 2, 192), BF16), ((1, 384, 2, 128), BF16))
+
+
+@pytest.mark.parametrize("opts", [
+    {},  # DeepSeek-V3's shape: 32-token tiles (64-byte swizzle), 3 stages, one split
+    dict(num_splits=2, num_stages=2)],  # partial outputs and LSE, a 2-stage ring
+    ids=["default", "splits"])
+def test_mla_mosaic_lowers(opts):
+    _lowers(functools.partial(mla_mosaic.mla_decode, v_dim=512, sm_scale=0.1, interpret=False,
+                              **opts),
+            ((2, 128, 576), BF16), ((40, 64, 576), BF16), ((2, 8), jnp.int32),
+            ((2,), jnp.int32))
+
+
+def test_mla_mosaic_layer_stack_whole_page_tiles_lower():
+    # 64-token tiles (128-byte swizzle) of pages of 16 (four copies a tile), 80 heads
+    def stacked(q, kv, tables, lengths, layer):
+        return mla_mosaic.mla_decode(q, kv, tables, lengths, v_dim=128, sm_scale=0.1,
+                                     layer=layer, block_k=64, num_stages=2, interpret=False)
+    _lowers(stacked, ((2, 80, 192), BF16), ((2, 40, 16, 192), BF16), ((2, 8), jnp.int32),
+            ((2,), jnp.int32), ((), jnp.int32))

@@ -1,12 +1,16 @@
-"""The pallas_triton MLA decode kernel against the jnp reference (interpret mode on the CPU),
-the facade's checks and the registry's choice."""
+"""The MLA decode kernels against the jnp reference: pallas_triton in interpret mode and
+pallas_mosaic in JAX's Mosaic GPU simulator on the CPU; the facade's checks and the
+registry's choice.
+
+The simulator runs a kernel's CTAs one after another (a few seconds each here), so the
+pallas_mosaic cases keep their grids (sequences x head blocks x splits) small."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxllm.kernels import mla_decode, reference, registry
-from jaxllm.kernels.pallas import mla_triton
+from jaxllm.kernels.pallas import mla_mosaic, mla_triton
 
 
 def _case(seed, page, hq, dk, lengths, dtype, extra_pages=3):
@@ -87,10 +91,76 @@ def test_bad_inputs_raise():
         mla_triton.mla_decode(q, kv, tables, lens, v_dim=64, sm_scale=0.1, block_h=8)
 
 
-def test_auto_takes_the_kernel_on_a_gpu(monkeypatch):
+def test_auto_takes_the_kernels_on_a_gpu(monkeypatch):
     q = jax.ShapeDtypeStruct((2, 128, 576), jnp.bfloat16)
     pages = jax.ShapeDtypeStruct((10, 64, 576), jnp.bfloat16)
     assert registry.pick("mla", "auto", q, pages, 512).name == "reference"  # the CPU
     monkeypatch.setattr(registry, "_platform", lambda: "gpu")
-    assert registry.pick("mla", "auto", q, pages, 512).name == "pallas_triton"
-    assert registry.pick("mla", "auto", q, pages, 384).name == "reference"  # v_dim
+    assert registry.pick("mla", "auto", q, pages, 512).name == "pallas_triton"  # not Hopper
+    monkeypatch.setattr(registry, "_hopper", lambda: True)
+    assert registry.pick("mla", "auto", q, pages, 512).name == "pallas_mosaic"
+    q32 = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    pages32 = jax.ShapeDtypeStruct(pages.shape, jnp.float32)
+    assert registry.pick("mla", "auto", q32, pages32, 512).name == "pallas_triton"  # dtype
+    assert registry.pick("mla", "auto", q, pages, 448).name == "reference"  # v_dim
+
+
+def _finite(kv, value=30.0):
+    """The case's pool with the slots no sequence may read set to a large finite value:
+    pallas_mosaic reads whole tiles and gives the rows past a length weight 0, so those
+    rows must be finite (a leak of these values into the softmax would show)."""
+    return jnp.where(jnp.isnan(kv), value, kv).astype(kv.dtype)
+
+
+def _mosaic_check(q, kv, tables, lens, v_dim, sm_scale, **kw):
+    out = mla_mosaic.mla_decode(q, kv, tables, lens, v_dim=v_dim, sm_scale=sm_scale, **kw)
+    assert out.shape == (*q.shape[:2], v_dim) and out.dtype == q.dtype
+    want = _reference(q, kv[kw["layer"]] if "layer" in kw else kv, tables, lens,
+                      v_dim=v_dim, sm_scale=sm_scale)
+    _close(out, want, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out[lens == 0], np.float32), 0.0)
+
+
+def test_mosaic_ragged_lengths_shuffled_pages():
+    """DeepSeek-V3's latent row (Dk 576 = 512 + 64, v 512), bf16, pages of 64 read as
+    32-token tiles (half a page), 16 heads padded to the CTA's 64, one split."""
+    q, kv, tables, lens = _case(0, 64, 16, 576, [0, 1, 63, 64, 65, 197], jnp.bfloat16)
+    _mosaic_check(q, _finite(kv), tables, lens, 512, 576**-0.5)
+
+
+def test_mosaic_split_context_over_a_layer_stack():
+    """Context splits merged by log-sum-exp (a split that is empty for short rows), pages
+    of 16 (two copies a 32-token tile, the second past the length for some rows), a
+    layer stack read at a traced layer, a table wider than needed (its extra entries
+    out of the pool: never read)."""
+    q, kv, tables, lens = _case(1, 16, 16, 192, [0, 1, 15, 16, 17, 70], jnp.bfloat16)
+    stack = jnp.stack([jnp.zeros_like(kv), _finite(kv)])
+    wide = jnp.concatenate([tables, jnp.full((6, 2), 10**6, jnp.int32)], axis=1)
+    out = jax.jit(lambda layer: mla_mosaic.mla_decode(
+        q, stack, wide, lens, v_dim=128, sm_scale=0.2, layer=layer, num_splits=2))(
+        jnp.int32(1))
+    want = _reference(q, _finite(kv), tables, lens, v_dim=128, sm_scale=0.2)
+    _close(out, want, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+
+
+def test_mosaic_two_head_blocks_whole_page_tiles():
+    """float16, 80 heads (two CTAs of 64, the second mostly padding), 64-token tiles of
+    whole pages through a 2-stage ring, through the facade."""
+    q, kv, tables, lens = _case(2, 64, 80, 192, [65, 200], jnp.float16)
+    out = mla_decode(q, _finite(kv), tables, lens, v_dim=128, impl="pallas_mosaic",
+                     block_k=64, num_stages=2)
+    want = _reference(q, _finite(kv), tables, lens, v_dim=128, sm_scale=192**-0.5)
+    _close(out, want, jnp.float16)
+
+
+def test_mosaic_bad_inputs_raise():
+    q, kv, tables, lens = _case(0, 64, 4, 576, [5, 9], jnp.bfloat16)
+    with pytest.raises(ValueError, match="v_dim=320 is not a multiple of 128"):
+        mla_mosaic.mla_decode(q, kv, tables, lens, v_dim=320, sm_scale=0.1)
+    with pytest.raises(ValueError, match="block_k=64 with num_stages=2 takes 280 KiB"):
+        mla_mosaic.mla_decode(q, kv, tables, lens, v_dim=512, sm_scale=0.1, block_k=64)
+    with pytest.raises(ValueError, match="block_k=16 must be 32 or 64"):
+        mla_mosaic.mla_decode(q, kv, tables, lens, v_dim=512, sm_scale=0.1, block_k=16)
+    assert "bfloat16 or float16" in mla_mosaic.unsupported_reason(
+        q.astype(jnp.float32), kv, 512)

@@ -104,6 +104,9 @@ IMPLS = (
     Impl("mla", "reference", f"{_REF}:mla_decode"),
     Impl("mla", "pallas_triton", f"{_PALLAS}.mla_triton:mla_decode",
          platforms=_INTERPRETED, check=f"{_PALLAS}.mla_triton:unsupported_reason"),
+    Impl("mla", "pallas_mosaic", f"{_PALLAS}.mla_mosaic:mla_decode",
+         platforms=_INTERPRETED, hopper=True, dtypes=_HALF,
+         check=f"{_PALLAS}.mla_mosaic:unsupported_reason"),
 )
 
 # The fastest correct implementation first (docs/performance.md). Flash: our Mosaic kernel
@@ -128,7 +131,11 @@ AUTO = (
     AutoOrder("matmul", None, ("xla",)),
     AutoOrder("gmm", "gpu", ("pallas_triton", "xla")),
     AutoOrder("gmm", None, ("xla",)),
-    AutoOrder("mla", "gpu", ("pallas_triton", "reference")),
+    # MLA: the Mosaic kernel first wherever it takes the inputs (Hopper, bf16/f16, Dk a
+    # multiple of 64, v_dim a multiple of 128 up to 512), at every head count, before it
+    # was measured on a GPU: revisit with benchmarks/mla_decode.py (Hq 16 may be faster
+    # on the Triton kernel, which does not pad the heads to 64).
+    AutoOrder("mla", "gpu", ("pallas_mosaic", "pallas_triton", "reference")),
     AutoOrder("mla", None, ("reference",)),
 )
 
