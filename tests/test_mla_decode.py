@@ -99,6 +99,8 @@ def test_auto_takes_the_kernels_on_a_gpu(monkeypatch):
     assert registry.pick("mla", "auto", q, pages, 512).name == "pallas_triton"  # not Hopper
     monkeypatch.setattr(registry, "_hopper", lambda: True)
     assert registry.pick("mla", "auto", q, pages, 512).name == "pallas_mosaic"
+    q16 = jax.ShapeDtypeStruct((2, 16, 576), jnp.bfloat16)  # fewer than 64 heads: Triton
+    assert registry.pick("mla", "auto", q16, pages, 512).name == "pallas_triton"
     q32 = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     pages32 = jax.ShapeDtypeStruct(pages.shape, jnp.float32)
     assert registry.pick("mla", "auto", q32, pages32, 512).name == "pallas_triton"  # dtype

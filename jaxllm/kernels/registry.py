@@ -50,11 +50,13 @@ class Impl:
 @dataclasses.dataclass(frozen=True)
 class AutoOrder:
     """What "auto" tries, in order, for `op` on `platform` (None: any other backend) with
-    inputs of these head dims (None: any). The first rule that matches applies."""
+    inputs of these head dims (None: any) and at least `min_heads` heads (the first input's
+    second-to-last axis). The first rule that matches applies."""
     op: str
     platform: str | None
     names: tuple[str, ...]
     head_dims: tuple[int, ...] | None = None
+    min_heads: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +114,9 @@ IMPLS = (
 # The fastest correct implementation first (docs/performance.md). Flash: our Mosaic kernel
 # leads cuDNN at D 128, forward and forward+backward; cuDNN leads forward+backward at
 # D 64 and 256. D 192 is MLA's (v head dim 128), which cuDNN through
-# jax.nn.dot_product_attention does not take: pallas_mosaic is put first there ahead of
-# pallas_triton (which pads 192 to 256) before it was measured; `benchmarks/attention.py
-# --mla` compares the two with cuDNN. Every order ends with an implementation that takes
-# any input.
+# jax.nn.dot_product_attention does not take: pallas_mosaic runs it 2.6x faster than
+# pallas_triton (which pads 192 to 256) forward+backward, at 0.97x cuDNN's own 192/128 path
+# (benchmarks/mla.py). Every order ends with an implementation that takes any input.
 AUTO = (
     AutoOrder("flash", "gpu", ("pallas_mosaic", "cudnn", "pallas_triton", "xla"),
               head_dims=(128, 192)),
@@ -131,11 +132,11 @@ AUTO = (
     AutoOrder("matmul", None, ("xla",)),
     AutoOrder("gmm", "gpu", ("pallas_triton", "xla")),
     AutoOrder("gmm", None, ("xla",)),
-    # MLA: the Mosaic kernel first wherever it takes the inputs (Hopper, bf16/f16, Dk a
-    # multiple of 64, v_dim a multiple of 128 up to 512), at every head count, before it
-    # was measured on a GPU: revisit with benchmarks/mla_decode.py (Hq 16 may be faster
-    # on the Triton kernel, which does not pad the heads to 64).
-    AutoOrder("mla", "gpu", ("pallas_mosaic", "pallas_triton", "reference")),
+    # MLA decode (benchmarks/mla_decode.py): the Mosaic kernel at 64 heads or more (B 64,
+    # ctx 4096: 126 against 261 us at 64 heads, 203 against 373 at 128), the Triton one
+    # below, where the Mosaic kernel pads the heads to 64 (16 heads: 121 against 128 us).
+    AutoOrder("mla", "gpu", ("pallas_mosaic", "pallas_triton", "reference"), min_heads=64),
+    AutoOrder("mla", "gpu", ("pallas_triton", "pallas_mosaic", "reference")),
     AutoOrder("mla", None, ("reference",)),
 )
 
@@ -200,9 +201,11 @@ def _rejects(e: Impl, args) -> str | None:
 
 
 def _auto_order(op: str, args) -> tuple[str, ...]:
-    platform, d = _platform(), (args[0].shape[-1] if args else None)
+    platform = _platform()
+    d, heads = (args[0].shape[-1], args[0].shape[-2]) if args else (None, None)
     return next(r.names for r in AUTO if r.op == op and r.platform in (platform, None)
-                and (r.head_dims is None or d in r.head_dims))
+                and (r.head_dims is None or d in r.head_dims)
+                and (not r.min_heads or (heads is not None and heads >= r.min_heads)))
 
 
 def _choice(e: Impl, need_lse: bool) -> Choice:

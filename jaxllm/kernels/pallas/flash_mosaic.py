@@ -141,11 +141,13 @@ def default_bwd_config(head_dim: int, causal: bool = True,
     """The measured fastest backward: a persistent dq for full attention; at D = 256 one
     compute warpgroup a CTA (its tiles and ring fill shared memory), products in turn.
 
-    D 192 / Dv 128 (MLA; not yet measured): D 128's, whose tiles and rings take 160 KiB
-    there (dq: Q, dO and a 2-deep K/V ring of 64 rows each; dk/dv alike); dq keeps one
-    Q buffer (kernels.pallas.flash_mosaic_bwd: two only at D <= 128). Its dK and dV
-    accumulators take 160 of a compute thread's 240 registers."""
-    del v_head_dim  # the same choices at Dv = D and at D 192 / Dv 128
+    D 192 / Dv 128 (MLA): D 128's tiles, which take 160 KiB there (dq: Q, dO and a 2-deep
+    K/V ring of 64 rows each; dk/dv alike); dq keeps one Q buffer
+    (kernels.pallas.flash_mosaic_bwd: two only at D <= 128). Its dK and dV accumulators
+    take 160 of a compute thread's 240 registers, so the products run in turn: causal
+    forward+backward 1.95 against 2.17 ms with them overlapped (benchmarks/mla.py)."""
+    if v_head_dim is not None and v_head_dim != head_dim:
+        return BwdConfig(persistent_dq=not causal, overlap_bwd=False)
     if head_dim >= 256:
         return BwdConfig(compute_wgs_bwd=1, overlap_bwd=False)
     return BwdConfig(persistent_dq=not causal)
