@@ -163,17 +163,18 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
 
 def call_cost(engine: Engine, buckets=(16, 64, 512), n: int = 30) -> list[dict]:
     """The host's time in one call of a bucket's compiled step (the device idle before
-    each): with the step's arrays as the numpy buffer the engine passes, as a device buffer
-    made just before (untimed), and as the same device buffer every call; and the time of
-    that buffer's transfer alone. Medians, ms."""
+    each): with the step's arrays as the numpy buffer the engine passes, put on the device
+    first (`jax.device_put`, timed with the call), as a device buffer made just before
+    (untimed), and as the same device buffer every call; and the time of that buffer's
+    transfer alone. Medians, ms."""
     run, rows = engine.runner, []
     for t in (t for t in buckets if t in run.buckets):
         b = run.empty_batch(t)
         fn = run._fn("step", b, False)
         host = b.pack()
         same = jax.device_put(host)
-        times = {"numpy buffer": [], "fresh device buffer": [], "same device buffer": [],
-                 "transfer alone": []}
+        times = {"numpy buffer": [], "put, then call": [], "fresh device buffer": [],
+                 "same device buffer": [], "transfer alone": []}
         for _ in range(n):
             for case in times:
                 jax.block_until_ready(run.last)
@@ -184,6 +185,9 @@ def call_cost(engine: Engine, buckets=(16, 64, 512), n: int = 30) -> list[dict]:
                 t0 = time.perf_counter()
                 if case == "transfer alone":
                     jax.block_until_ready(jax.device_put(host))
+                elif case == "put, then call":
+                    run.pools, run.last = fn(run.params, run.pools, run.last,
+                                             jax.device_put(host))
                 else:
                     run.pools, run.last = fn(run.params, run.pools, run.last, arg)
                 times[case].append(time.perf_counter() - t0)
