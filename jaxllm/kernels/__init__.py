@@ -234,6 +234,9 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int,
     is zeros). -> [B, Hq, v_dim] in q's dtype, softmax(q k^T * sm_scale) @ v.
     `sm_scale` defaults to 1/sqrt(Dk); the model passes its own (the q/k head dim's).
     Extra keyword arguments (block sizes, splits) go to the chosen implementation.
+    The pages' rows past a length must hold finite values ("pallas_mosaic" reads whole
+    tiles and weights those rows 0; a NaN there would still spread): a zeroed pool written
+    only by the model is.
     """
     if q.ndim != 3 or kv_pages.ndim not in (3, 4):
         raise ValueError(f"mla_decode wants q [B, Hq, Dk] and kv_pages [P, page, Dk] (or "
