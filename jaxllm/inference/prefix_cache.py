@@ -56,29 +56,36 @@ class PrefixCachingAllocator(PageAllocator):
     def match(self, tokens) -> list[int]:
         """The cached pages of the longest registered prefix of `tokens`, stopping before
         the page that holds the last token."""
-        ps, pages, key = self.page_size, [], b""
+        return self._match(tokens)[0]
+
+    def _match(self, tokens) -> tuple[list[int], list[bytes]]:
+        """match's pages and their keys."""
+        ps, pages, keys, key = self.page_size, [], [], b""
         n_full = (len(tokens) - 1) // ps
         # every page's bytes in one conversion, not an array a page
         data, step = np.asarray(tokens[:n_full * ps], np.int64).tobytes(), 8 * ps
+        page_of = self._page_of
         for j in range(n_full):
             key = _chain(key, data[j * step:(j + 1) * step])
-            page = self._page_of.get(key)
+            page = page_of.get(key)
             if page is None:
                 break
             pages.append(page)
-        return pages
+            keys.append(key)
+        return pages, keys
 
     def allocate_prefix(self, tokens) -> tuple[int, int]:
         """A new sequence holding the cached prefix of `tokens` -> (seq, cached tokens)."""
-        pages = self.match(tokens)
+        pages, keys = self._match(tokens)
         seq = self.allocate()
-        for p in pages:
-            if self._refs[p] == 0:
+        if pages:
+            idx = np.asarray(pages)  # distinct pages: one increment each
+            for p in idx[self._refs[idx] == 0].tolist():  # parked until now
                 del self._parked[p]
-            self._refs[p] += 1
+            self._refs[idx] += 1
         self._tables[seq, :len(pages)] = pages
         self._lengths[seq] = len(pages) * self.page_size
-        self._keys[seq] = [self._key_of[p] for p in pages]
+        self._keys[seq] = keys
         self._n_keys[seq] = len(pages)
         return seq, int(self._lengths[seq])
 
