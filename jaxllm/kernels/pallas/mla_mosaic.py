@@ -68,6 +68,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxllm.kernels.pallas import mosaic_common as mg
 from jaxllm.kernels.pallas.mosaic_common import LN2, LOG2E
 from jaxllm.kernels.pallas.paged_triton import merge_partials
+from jaxllm.kernels.pallas.mla_triton import flat_layers
 
 HEADS = 64  # query heads a CTA: the M of a warpgroup's wgmma
 N_WG = 2  # compute warpgroups a CTA
@@ -283,16 +284,7 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     fill one wave of one CTA an SM). `interpret` (default: on the CPU) runs the kernel
     in JAX's Mosaic GPU simulator.
     """
-    if kv_pages.ndim == 4:
-        if layer is None:
-            raise ValueError(f"kv pages of shape {kv_pages.shape} are a layer stack; pass layer=")
-        n_layers = kv_pages.shape[0]
-        kv_pages = kv_pages.reshape(n_layers * kv_pages.shape[1], *kv_pages.shape[2:])
-    elif layer is not None:
-        raise ValueError(f"layer={layer!r} needs kv pages [L, P, page, Dk]; got "
-                         f"{kv_pages.shape}")
-    else:
-        n_layers = 1
+    kv_pages, n_layers = flat_layers(kv_pages, layer)
     why = unsupported_reason(q, kv_pages, v_dim)
     if why:
         raise ValueError(f"the pallas_mosaic MLA kernel cannot take these inputs: {why}")

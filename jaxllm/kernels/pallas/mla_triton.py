@@ -50,6 +50,20 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def flat_layers(kv_pages, layer):
+    """(kv_pages as [L * P, page, Dk] rows end to end, L): a layer stack [L, P, page, Dk]
+    goes with `layer`, one layer's pages [P, page, Dk] without it."""
+    if kv_pages.ndim == 4:
+        if layer is None:
+            raise ValueError(f"kv pages of shape {kv_pages.shape} are a layer stack; pass layer=")
+        n_layers = kv_pages.shape[0]
+        return kv_pages.reshape(n_layers * kv_pages.shape[1], *kv_pages.shape[2:]), n_layers
+    if layer is not None:
+        raise ValueError(f"layer={layer!r} needs kv pages [L, P, page, Dk]; got "
+                         f"{kv_pages.shape}")
+    return kv_pages, 1
+
+
 def _mla_kernel(layer_ref, lengths_ref, tables_ref, q_ref, kv_ref, *out_refs, hq: int,
                 block_h: int, head_dim: int, v_dim: int, rope_cols: int, page_size: int,
                 pool_pages: int, pages_per_step: int, pages_per_split: int,
@@ -169,16 +183,7 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     from 64 heads a program) and num_stages (default 4) go to Triton. The defaults are
     the best of a sweep on an H200 (docs/experiments.md).
     """
-    if kv_pages.ndim == 4:
-        if layer is None:
-            raise ValueError(f"kv pages of shape {kv_pages.shape} are a layer stack; pass layer=")
-        n_layers = kv_pages.shape[0]
-        kv_pages = kv_pages.reshape(n_layers * kv_pages.shape[1], *kv_pages.shape[2:])
-    elif layer is not None:
-        raise ValueError(f"layer={layer!r} needs kv pages [L, P, page, Dk]; got "
-                         f"{kv_pages.shape}")
-    else:
-        n_layers = 1
+    kv_pages, n_layers = flat_layers(kv_pages, layer)
     batch, hq, head_dim = q.shape
     rows_total, page_size, _ = kv_pages.shape
     n_table = block_tables.shape[1]
