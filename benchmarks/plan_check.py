@@ -6,9 +6,10 @@
 
 --cpu compiles the train step of tiny models (dense, MoE, MLA) on 8 simulated CPU devices
 for every layout of CONFIGS (dp, fsdp, ZeRO 0-3, tp, sequence parallel, cp, ep, pp with
-each schedule; remat none / full / dots; a few batch sizes) and prints the planner's
-peak bytes per device beside the compiler's (`memory_analysis`: arguments + temporaries
-+ outputs not aliased to donated arguments), their ratio, and how many are within 5%.
+each schedule; remat none / full / dots, MoE under each; a few batch sizes) and prints
+the planner's peak bytes per device beside the compiler's (`memory_analysis`: arguments +
+temporaries + outputs not aliased to donated arguments), their ratio, and how many are
+within 5%.
 It sets the devices and XLA's fast-compile flag itself.
 
 --gpu first measures this device's ceilings into measured.yaml (a bf16 8192^3 matmul; an
@@ -67,6 +68,9 @@ CONFIGS = {
     "moe_ep4_fsdp2": [MOE, MOE3, "parallelism.dp=1", "parallelism.ep=4", "parallelism.fsdp=2"],
     "moe_dp2_ep2_tp2": [MOE, MOE3, "parallelism.dp=2", "parallelism.ep=2", "parallelism.tp=2"],
     "moe_ep8_full": [MOE, MOE3, "parallelism.dp=1", "parallelism.ep=8", "model.remat=full"],
+    "moe_ep4_fsdp2_dots": [MOE, MOE3, "parallelism.dp=1", "parallelism.ep=4",
+                           "parallelism.fsdp=2", "model.remat=dots"],
+    "moe_dp4_tp2_dots": [MOE, MOE3, "parallelism.dp=4", "parallelism.tp=2", "model.remat=dots"],
     # multi-head latent attention
     "mla_dp8": [MLA, "parallelism.dp=8"],
     "mla_fsdp8": [MLA, "parallelism.dp=1", "parallelism.fsdp=8"],
@@ -97,9 +101,13 @@ CONFIGS = {
                             "model.remat=full"],
     "pp2_fsdp4_l4": PP + ["parallelism.dp=1", "parallelism.fsdp=4", "model.n_layers=4"],
     "pp2_dp2_tp2_l4": PP + ["parallelism.dp=2", "parallelism.tp=2", "model.n_layers=4"],
+    # MoE under dots remat with eight local experts, whose ragged dots' per-expert copies
+    # (the CPU's) of the recomputed forward live beside the backward's, and over ep 8
+    "moe_dp8_dots": [MOE, MOE3, "parallelism.dp=8", "model.remat=dots"],
+    "moe_ep8_dots": [MOE, MOE3, "parallelism.dp=1", "parallelism.ep=8", "model.remat=dots"],
 }
 KNOWN_MISSES = ("dp2_tp4", "dp2_cp4", "fsdp8_b32_dots", "pp2_gpipe_full", "pp2_fsdp4_l4",
-                "pp2_dp2_tp2_l4")
+                "pp2_dp2_tp2_l4", "moe_dp8_dots", "moe_ep8_dots")
 
 
 def load(name: str):

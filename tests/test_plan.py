@@ -24,9 +24,11 @@ from jaxllm.plan.memory import kv_bytes_per_token, state_bytes
 from jaxllm.sharding.rules import Rules
 
 ROOT = Path(__file__).resolve().parents[1]
-# MoE over ep x fsdp (a dense layer, then the experts' all-to-all) / a dense pipeline
-# (1f1b) over dp at ZeRO-1 / MLA under full remat
-CHECKED = ["moe_ep4_fsdp2", "pp2_dp4_z1", "mla_dp8_full"]
+# MoE over ep x fsdp (a dense layer, then the experts' all-to-all), without remat and
+# under dots remat (which recomputes the experts' rows) / MoE over dp x tp under dots / a
+# dense pipeline (1f1b) over dp at ZeRO-1 / MLA under full remat
+CHECKED = ["moe_ep4_fsdp2", "moe_ep4_fsdp2_dots", "moe_dp4_tp2_dots", "pp2_dp4_z1",
+           "mla_dp8_full"]
 
 
 def test_planned_memory_matches_compiled_step():

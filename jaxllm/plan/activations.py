@@ -10,8 +10,15 @@ and is checked against what XLA's buffer assignment holds on the CPU
     MLA           the query and key-value latents (whole over tp) and their norms, q and
                   k of nope + rope dims, v and the output of v_head_dim per head
     MoE layer     its block as above with the shared experts as the SwiGLU, the router,
-                  and the routed experts' rows (`expert_bytes`): dropless, the local
-                  experts take ep x tokens x top_k rows
+                  and without remat the routed experts' rows (`expert_bytes`): dropless,
+                  the local experts take ep x tokens x top_k rows
+
+Remat "dots" keeps the outputs of `dot_general`s without batch dimensions
+(`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`): the projections, an MoE
+layer's router logits and its shared experts' gate and up. The routed experts are no such
+dot: the grouped matmul is XLA's ragged dot (the CPU) or a Pallas kernel (a GPU), the
+dispatch and combine are gathers, and the combine's weighted sum is a batched einsum, so
+their rows are recomputed in the layer's backward as under "full" (`experts_saved`).
 """
 from __future__ import annotations
 
@@ -92,8 +99,9 @@ def saved_per_token(m: ModelConfig, sizes: dict[str, int], kv_len: int, impl: st
     if remat == "full":
         return c * d  # the block's input
     attn = attention_projections(m, hq, hkv, remat)
-    if remat == "dots":  # matmul outputs: attention's (above), gate, up, down
-        return c * (attn + d + 2 * f)
+    if remat == "dots":  # matmul outputs: attention's (above), gate, up, down; the
+        # router's f32 logits
+        return c * (attn + d + 2 * f) + (4 * m.moe.num_experts if moe else 0.0)
     # every intermediate: norm inputs, outputs and statistics (the matmuls' inputs are
     # whole over tp even with sequence parallelism), the attention's (above), the
     # SwiGLU's gate, up and their products
@@ -105,6 +113,13 @@ def saved_per_token(m: ModelConfig, sizes: dict[str, int], kv_len: int, impl: st
     router = 4 * (2 * m.moe.num_experts + (m.moe.top_k + 1) * m.d_model) if moe else 0.0
     return (c * (whole + split + attn + 6 * f) + stats + router
             + attention_scores(hq, kv_len, impl))
+
+
+def experts_saved(remat: str) -> bool:
+    """Whether each MoE layer's routed experts' rows (`expert_bytes`' saved) stay until its
+    backward: only without remat. Under "dots" and "full" the layer being differentiated
+    recomputes them, so one layer's are live at a time."""
+    return remat == "none"
 
 
 def expert_bytes(m: ModelConfig, sizes: dict[str, int], tokens: float,

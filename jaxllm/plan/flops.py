@@ -8,8 +8,9 @@ layer, halved for causal masks. Two training counts are kept apart:
                     (`ModelConfig.flops_per_token`), comparable across codebases
     hardware FLOPs  what the step executes: attention halved for causal, plus the forward
                     the remat policy recomputes ("full": every block again, "dots": the
-                    non-matmul work, which costs no matmul FLOPs, and attention) and
-                    the one the 1f1b pipeline schedule runs again
+                    non-matmul work, which costs no matmul FLOPs, attention, and an MoE
+                    layer's routed experts, whose grouped matmuls the policy does not
+                    save) and the one the 1f1b pipeline schedule runs again
 
 N_active counts the parameters one token passes through: every dense layer, and with a
 `model.moe` section only its routed experts (top_k of them) and the shared ones.
@@ -48,6 +49,15 @@ def moe_layers(m: ModelConfig) -> int:
     """Layers whose feed-forward is a mixture of experts (0 without `model.moe`)."""
     moe = getattr(m, "moe", None)
     return 0 if moe is None else m.n_layers - getattr(moe, "dense_layers", 0)
+
+
+def routed_expert_flops(m: ModelConfig) -> float:
+    """Forward FLOPs per token of the routed experts of every MoE layer: top_k SwiGLUs
+    (gate, up, down) of expert_mlp_dim each."""
+    moe = getattr(m, "moe", None)
+    if moe is None:
+        return 0.0
+    return moe_layers(m) * moe.top_k * 2 * 3 * m.d_model * moe.expert_mlp_dim
 
 
 # -- FLOPs ----------------------------------------------------------------------------------
@@ -95,7 +105,8 @@ def train_flops(m: ModelConfig, batch: int, seq: int, remat: str | None = None, 
     model = 6 * n + 6 * m.n_layers * m.n_heads * (dqk + dv) * seq  # 12·L·H·D·S for dqk = dv
     attn_fwd = attention_flops(m, seq, seq) / seq  # per token
     matmul_fwd = 2 * (n - head_params(m))  # the blocks' matmuls (the head is not rematted)
-    recompute = {"none": 0.0, "dots": attn_fwd, "full": matmul_fwd + attn_fwd}[remat]
+    recompute = {"none": 0.0, "dots": attn_fwd + routed_expert_flops(m),
+                 "full": matmul_fwd + attn_fwd}[remat]
     if pipeline == "1f1b":
         recompute += matmul_fwd + attn_fwd
     hardware = 6 * n + 3 * attn_fwd + recompute

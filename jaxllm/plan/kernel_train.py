@@ -23,12 +23,14 @@ T tokens, d model width, c / p bytes of the compute / parameter dtype, X = T d c
                 the pads of q and k, copies, forward and backward)
     stack       the scan keeps what the backward reads (remat none: every intermediate;
                 "dots": the matmul outputs; "full": the block input) in stacked [L, ...]
-                buffers, the bytes of `activations.saved_per_token` (and an MoE layer's
-                `expert_bytes`), each copied in by its own kernel (read + write); the
-                backward's fusions read the stack in place, but a tensor a library call
-                (cuBLAS, cuDNN, Pallas) reads is first copied out (read + write)
+                buffers, the bytes of `activations.saved_per_token` (and without remat
+                an MoE layer's `expert_bytes`), each copied in by its own kernel (read +
+                write); the backward's fusions read the stack in place, but a tensor a
+                library call (cuBLAS, cuDNN, Pallas) reads is first copied out (read +
+                write)
     remat       "dots": every kernel but the matmuls runs again in the backward (attention
-                included); "full": the whole block forward again
+                and an MoE layer's grouped matmuls included: they are no dot_general);
+                "full": the whole block forward again
     MoE         the router matmul (f32 scores) and about ten [T, E] kernels of routing, the
                 assignments' two sorts and the counts, the dispatch gather [T k, d], three
                 grouped matmuls and the SwiGLU over T k rows, the gather back and the
@@ -259,7 +261,7 @@ def train_kernels(cfg: Config, rows: int, seq: int, sizes: dict[str, int] | None
     """The kernels of a training step of rows x seq tokens per device of a mesh of
     `sizes` (default one device; `layers`: of this device's stage; `param_count` /
     `param_arrays`: the parameters the optimizer updates)."""
-    from jaxllm.plan.activations import expert_bytes, saved_per_token
+    from jaxllm.plan.activations import expert_bytes, experts_saved, saved_per_token
 
     m = cfg.model
     sizes = sizes or {"pp": 1, "dp": 1, "fsdp": 1, "ep": 1, "cp": 1, "tp": 1}
@@ -277,7 +279,7 @@ def train_kernels(cfg: Config, rows: int, seq: int, sizes: dict[str, int] | None
         if count:
             saved = T * saved_per_token(m, sizes, seq, impl, remat,
                                         cfg.parallelism.sequence_parallel, moe)
-            if moe and remat != "full":
+            if moe and experts_saved(remat):
                 saved += expert_bytes(m, sizes, T, "gpu")[0]
             one = layer_train_kernels(train_layer_ops(m, rows, seq, tp, moe), c, p, remat,
                                       saved)

@@ -18,7 +18,9 @@ Training, per device, with local tokens T = (B / (dp·fsdp·ep) / microbatches) 
                  "none" every intermediate, "dots" the matmul outputs, "full" the block's
                  input only; plus the working set of the layer being differentiated
                  (`BACKWARD_WORKING_SET`), with cp the ring's blocks, with MoE layers the
-                 experts' rows, with pp what the schedule keeps (`pipeline_activations`)
+                 experts' rows (every layer's without remat, the differentiated layer's
+                 under "dots" and "full"), with pp what the schedule keeps
+                 (`pipeline_activations`)
     logits       f32 [T, V/tp] logits, their exponentials kept for the backward, and the
                  gradient of the logits
 
@@ -37,8 +39,8 @@ import numpy as np
 
 from jaxllm.config import Config, ModelConfig
 from jaxllm.plan.activations import (BACKWARD_WORKING_SET, DTYPE_BYTES, expert_bytes,
-                                     resolved_attention_impl, ring_saved_per_token,
-                                     saved_per_token)
+                                     experts_saved, resolved_attention_impl,
+                                     ring_saved_per_token, saved_per_token)
 from jaxllm.plan.flops import moe_layers
 from jaxllm.sharding.rules import Rules
 
@@ -192,13 +194,15 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
     batch_bytes = 2 * 4 * rows * seq * micro
     if n_moe:
         e_saved, e_backward = expert_bytes(m, sizes, tokens, platform)
-        if remat != "full":
+        kept = experts_saved(remat)
+        if kept:
             acts += n_moe * e_saved
         # The backward pass at the last MoE layer's experts: every layer's saved
-        # activations and experts' rows (that layer's recomputed under remat), the
-        # experts' backward buffers, and without remat the layer's own working set as a
-        # dense layer's; the gradients are the layer stack's, the logits are gone.
-        at_experts = (stacked + (n_moe if remat != "full" else 1) * e_saved + e_backward
+        # activations and, without remat, experts' rows (under remat that layer's,
+        # recomputed), the experts' backward buffers, and unless under full remat the
+        # layer's own working set as a dense layer's; the gradients are the layer
+        # stack's, the logits are gone.
+        at_experts = (stacked + (n_moe if kept else 1) * e_saved + e_backward
                       + (BACKWARD_WORKING_SET[remat] * saved(True, "none")
                          if remat != "full" else 0.0))
         if at_experts + states.grads_live > acts + logits + grads:
