@@ -112,10 +112,6 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         np.asarray(run.run(b))
         walls.append(time.perf_counter() - t)
     fn = run._fn("step", b, False)
-    text = fn.as_text() or ""
-    print(f"decode step program: {text.count('command_buffer')} mentions of command_buffer, "
-          f"{text.count(' fusion(')} fusions, {text.count('custom-call(')} custom calls",
-          flush=True)
     dev = jax.device_put(b.pack())
     pools, out = fn(run.params, run.pools, run.last, dev)
     jax.block_until_ready(out)
@@ -163,18 +159,17 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
 
 def call_cost(engine: Engine, buckets=(16, 64, 512), n: int = 30) -> list[dict]:
     """The host's time in one call of a bucket's compiled step (the device idle before
-    each): with the step's arrays as the numpy buffer the engine passes, put on the device
-    first (`jax.device_put`, timed with the call), as a device buffer made just before
-    (untimed), and as the same device buffer every call; and the time of that buffer's
-    transfer alone. Medians, ms."""
+    each): with the step's arrays as the numpy buffer the engine passes, as a device buffer
+    made just before (untimed), and as the same device buffer every call; and the time of
+    that buffer's transfer alone. Medians, ms."""
     run, rows = engine.runner, []
     for t in (t for t in buckets if t in run.buckets):
         b = run.empty_batch(t)
         fn = run._fn("step", b, False)
         host = b.pack()
         same = jax.device_put(host)
-        times = {"numpy buffer": [], "put, then call": [], "fresh device buffer": [],
-                 "same device buffer": [], "transfer alone": []}
+        times = {"numpy buffer": [], "fresh device buffer": [], "same device buffer": [],
+                 "transfer alone": []}
         for _ in range(n):
             for case in times:
                 jax.block_until_ready(run.last)
@@ -185,15 +180,10 @@ def call_cost(engine: Engine, buckets=(16, 64, 512), n: int = 30) -> list[dict]:
                 t0 = time.perf_counter()
                 if case == "transfer alone":
                     jax.block_until_ready(jax.device_put(host))
-                elif case == "put, then call":
-                    run.pools, run.last = fn(run.params, run.pools, run.last,
-                                             jax.device_put(host))
                 else:
                     run.pools, run.last = fn(run.params, run.pools, run.last, arg)
                 times[case].append(time.perf_counter() - t0)
-        text = fn.as_text() or ""
         rows.append({"bucket": t, "buffer KB": host.nbytes / 1024,
-                     "command buffers": text.count("command_buffer"),
                      **{f"{k} ms": 1e3 * statistics.median(v) for k, v in times.items()}})
     jax.block_until_ready(run.last)
     print_table(rows, title="a step's call: the host's time")
@@ -278,27 +268,23 @@ def static(params, prompts, outputs, batch: int) -> dict:
             "p99 E2E s": float(np.percentile(e2e, 99)), "total s": clock}
 
 
-def prefix_ttft(engine: Engine, cfg, prefix_len: int, n: int, caching: bool,
-                profile_dir: str | None = None) -> dict:
+def prefix_ttft(engine: Engine, cfg, prefix_len: int, n: int, caching: bool) -> dict:
     """Requests sharing a prefix, one at a time, through the engine (its compiled steps)
     with a fresh scheduler, prefix caching on or off: median TTFT, and the engine's counters
     over the call that returns the first token (its dispatches: the first step's and, while
-    the device runs it, the next one's; the wait for the device; the output work). With
-    `profile_dir`, one more request's first token is traced and its kernels printed."""
+    the device runs it, the next one's; the wait for the device; the output work)."""
     fresh_scheduler(engine, prefix_caching=caching)
     rng = np.random.default_rng(1)
     prefix = rng.integers(0, min(cfg.model.vocab_size, 32000), prefix_len).tolist()
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ttft, phases = [], {"dispatch_s": [], "call_s": [], "wait_s": [], "collect_s": []}
-    for i in range(n + 1 + bool(profile_dir)):  # the first fills the cache, uncounted
+    for i in range(n + 1):  # the first fills the cache and is not counted
         prompt = prefix + rng.integers(0, min(cfg.model.vocab_size, 1000), 32).tolist()
-        traced = i > n
-        with device_trace(profile_dir if traced else None, title="a prefix hit's first token"):
-            rid = engine.add_request(prompt, sp)
-            before, first = dict(engine.totals), None
-            while first is None:
-                first = next((o for o in engine.step() if o.request_id == rid), None)
-        if i and not traced:
+        rid = engine.add_request(prompt, sp)
+        before, first = dict(engine.totals), None
+        while first is None:
+            first = next((o for o in engine.step() if o.request_id == rid), None)
+        if i:
             ttft.append(first.first_token_time - first.arrival_time)
             for k, v in phases.items():
                 v.append(engine.totals[k] - before[k])
@@ -385,7 +371,7 @@ def kernel_totals(kernels) -> list[tuple[str, int, int]]:
 
 
 @contextlib.contextmanager
-def device_trace(trace_dir: str | None, top: int = 12, title: str = "continuous batching"):
+def device_trace(trace_dir: str | None, top: int = 12):
     """Trace the block's GPU kernels into trace_dir (when given); print the device's busy
     time against the wall clock and the kernels by their total time."""
     if not trace_dir:
@@ -399,11 +385,11 @@ def device_trace(trace_dir: str | None, top: int = 12, title: str = "continuous 
     totals = kernel_totals(kernels)
     total = sum(d for _, _, d in totals)
     if not total:
-        print(f"{title}, traced: no GPU kernels in the trace")
+        print("continuous batching, traced: no GPU kernels in the trace")
         return
     rows = [{"kernel": n, "calls": c, "s": d / 1e9, "% of kernel time": 100 * d / total}
             for n, c, d in totals[:top]]
-    print_table(rows, title=f"{title}, traced: the device busy {busy_ns(kernels) / 1e9:.2f} s "
+    print_table(rows, title=f"continuous batching, traced: the device busy {busy_ns(kernels) / 1e9:.2f} s "
                             f"of {wall:.2f} s (the trace slows the host), {len(kernels)} kernels")
 
 
@@ -424,13 +410,12 @@ def host_profile(on: bool, title: str, top: int = 18):
 
 
 def prefix_rows(engine: Engine, cfg, args) -> list[dict]:
-    """Prefix caching on and off (the hit's kernels traced with --profile)."""
+    """Prefix caching on and off: median TTFT and the first token's host phases."""
     rows = []
     for caching in (True, False):
-        trace = args.profile and caching and os.path.join(args.profile, "prefix")
         with host_profile(args.host_profile and caching, "prefix caching on"):
             rows.append(prefix_ttft(engine, cfg, args.prefix_len, args.prefix_requests,
-                                    caching, trace))
+                                    caching))
         print(rows[-1], flush=True)
     rows[0]["x off"] = rows[1]["median TTFT ms"] / rows[0]["median TTFT ms"]
     return rows
@@ -453,7 +438,7 @@ def main(argv=None):
     ap.add_argument("--only-step", action="store_true", help="the decode step alone")
     ap.add_argument("--only-prefix", action="store_true",
                     help="the prefix-caching runs alone, or with --only-step after the decode "
-                         "step (with --profile: a hit's kernels)")
+                         "step")
     ap.add_argument("--small-pool", type=int, default=4, metavar="F",
                     help="also run the workload with a page pool F times too small for it "
                          "(0: not run; default 4)")

@@ -1,8 +1,8 @@
 """MoE prefill and decode on one GPU: TTFT of a prompt and TPOT at a few batch sizes, the
-grouped matmul's path before and after, in one run.
+grouped matmul's tile variants beside the library's, in one run.
 
     PYTHONPATH=. python benchmarks/moe_decode.py [--config configs/deepseek_moe_1gpu.yaml]
-        [--batches 1,32,64] [--prompt-len 1024] [--variants old,new,narrow,prefill64]
+        [--batches 1,32,64] [--prompt-len 1024] [--variants new,narrow,prefill64]
         [--chunks 3] [--json PATH] [config overrides ...]
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/moe_decode.py --quick     # smoke test
 
@@ -11,8 +11,6 @@ The config's model with random weights, greedy. Variants of the grouped matmul
 own programs (a variant only changes how the kernel is set up, so where its programs are
 the same as `new`'s by construction, `new`'s are reused):
 
-  old        the work items by searchsorted's binary-search loop (a device loop per grouped
-             matmul) and forward row tiles of min(block_m, M), as before the loop-free items
   new        the library as it is
   narrow     new with 64-column tiles where the tiles have 16 rows (decode steps): 6 tokens'
              experts x 22 column tiles fill an H100's 132 SMs where 256 columns give 36
@@ -55,26 +53,9 @@ from jaxllm.kernels.pallas import gmm_triton
 FULL = dict(config="configs/deepseek_moe_1gpu.yaml", batches="1,32,64", prompt_len=1024)
 QUICK = dict(config="configs/tiny_moe.yaml", batches="1,2", prompt_len=32)
 QUICK_OVERRIDES = ["model.n_layers=2"]
-VARIANTS = ("old", "new", "narrow", "prefill64")
+VARIANTS = ("new", "narrow", "prefill64")
 STEPS, NEW_TOKENS = 32, 128  # decode chunk; the cache holds prompt + NEW_TOKENS + a chunk
 OPTS = dict(temperature=0.0, top_k=0, top_p=1.0)
-
-
-def _old_work_items(starts, ends, bm: int, n_items: int):
-    """The work items as before: each item's group by jnp.searchsorted's default method,
-    a binary-search loop on the device."""
-    first = starts // bm
-    count = jnp.where(ends > starts, (ends - 1) // bm - first + 1, 0)
-    last_item = jnp.cumsum(count)
-    i = jnp.arange(n_items, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(last_item, i, side="right"), starts.shape[0] - 1)
-    tile = first[group] + i - (last_item[group] - count[group])
-    group = jnp.where(i < last_item[-1], group, -1).astype(jnp.int32)
-    return group, tile.astype(jnp.int32)
-
-
-def _pow2(x: int, most: int) -> int:
-    return min(most, max(gmm_triton.MIN_BLOCK, 1 << (max(x, 1) - 1).bit_length()))
 
 
 def _tiles(variant: str):
@@ -82,9 +63,6 @@ def _tiles(variant: str):
     new = gmm_triton.tiles
 
     def tiles(m, groups, n, bs=None, itemsize=2):
-        bs = bs or gmm_triton.default_block_sizes(itemsize)
-        if variant == "old":
-            return _pow2(m, bs.block_m), _pow2(n, bs.block_n)
         bm, bn = new(m, groups, n, bs, itemsize)
         if variant == "narrow" and bm == gmm_triton.MIN_BLOCK:
             bn = min(bn, 64)
@@ -97,16 +75,14 @@ def _tiles(variant: str):
 @contextlib.contextmanager
 def variant_of_gmm(variant: str):
     """The grouped matmul's setup as `variant` has it while tracing inside the block."""
-    saved = gmm_triton.tiles, gmm_triton._work_items
+    saved = gmm_triton.tiles
     if variant != "new":
         gmm_triton.tiles = _tiles(variant)
-    if variant == "old":
-        gmm_triton._work_items = _old_work_items
     jax.clear_caches()
     try:
         yield
     finally:
-        gmm_triton.tiles, gmm_triton._work_items = saved
+        gmm_triton.tiles = saved
         jax.clear_caches()
 
 
@@ -230,8 +206,8 @@ def main(argv=None) -> list[dict]:
 
     lowered, t0 = {}, time.perf_counter()
     for v in variants:
-        need = {"old": ("prefill", *batches), "new": ("prefill", *batches),
-                "narrow": tuple(batches), "prefill64": ("prefill",)}[v]
+        need = {"new": ("prefill", *batches), "narrow": tuple(batches),
+                "prefill64": ("prefill",)}[v]
         with variant_of_gmm(v):
             lowered[v] = lower_programs(params, cfg, batches, p, need)
     jobs = [(v, name) for v in lowered for name in lowered[v]]
