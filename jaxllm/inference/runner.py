@@ -45,7 +45,7 @@ from jaxllm.model.layers import as_dtype
 MAX_BANNED = 8  # token ids a row can ban at once (EOS / stop ids before min_tokens)
 # XLA options of the compiled steps on a GPU: its matmuls on cuBLAS, not XLA's Triton GEMM
 # fusions (1B, H100: a decode step of 64 rows 3.39 -> 3.30 ms, 32 rows 1.31 -> 1.18 ms,
-# 512 rows 1.90 -> 1.82 ms; docs/performance.md)
+# 512 rows 1.90 -> 1.82 ms; docs/experiments.md)
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
