@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxllm.kernels.pallas import (flash_mosaic, flash_triton, gemv_triton, mla_mosaic,
-                                   paged_triton)
+from jaxllm.kernels.pallas import (flash_mosaic, flash_triton, gemv_triton, gmm_mosaic,
+                                   mla_mosaic, paged_triton)
 
 BF16 = jnp.bfloat16
 
@@ -116,3 +116,17 @@ def test_mla_mosaic_layer_stack_whole_page_tiles_lower():
                                      layer=layer, block_k=64, num_stages=2, interpret=False)
     _lowers(stacked, ((2, 80, 192), BF16), ((2, 40, 16, 192), BF16), ((2, 8), jnp.int32),
             ((2,), jnp.int32), ((), jnp.int32))
+
+
+@pytest.mark.parametrize("n,opts,out", [
+    (192, {}, BF16),  # 192-column tiles, 3 stages; d lhs: 128-column tiles (K = 128)
+    (256, dict(block_m=256, block_n=128), BF16),  # two 128-row warpgroup halves
+    (256, dict(num_stages=2), jnp.float32)],  # float32 staging tiles
+    ids=["default", "block_m256", "f32_out"])
+def test_gmm_mosaic_forward_and_backward_lower(n, opts, out):
+    # forward and d lhs: the Mosaic kernels (d lhs reads rhs tiles transposed); d rhs: Triton
+    def loss(lhs, rhs, sizes):
+        return gmm_mosaic.grouped_matmul(lhs, rhs, sizes, preferred_element_type=out,
+                                         interpret=False, **opts).astype(jnp.float32).sum()
+    _lowers(jax.grad(loss, argnums=(0, 1)), ((200, 128), BF16), ((3, 128, n), BF16),
+            ((3,), jnp.int32))

@@ -103,6 +103,10 @@ IMPLS = (
     Impl("gmm", "xla", f"{_XLA}:grouped_matmul"),
     Impl("gmm", "pallas_triton", f"{_PALLAS}.gmm_triton:grouped_matmul",
          platforms=_INTERPRETED, check=f"{_PALLAS}.gmm_triton:unsupported_reason"),
+    # forward and d lhs on Hopper's wgmma/TMA; d rhs through gmm_triton's kernel
+    Impl("gmm", "pallas_mosaic", f"{_PALLAS}.gmm_mosaic:grouped_matmul",
+         platforms=_INTERPRETED, hopper=True, dtypes=_HALF,
+         check=f"{_PALLAS}.gmm_mosaic:unsupported_reason"),
     Impl("mla", "reference", f"{_REF}:mla_decode"),
     Impl("mla", "pallas_triton", f"{_PALLAS}.mla_triton:mla_decode",
          platforms=_INTERPRETED, check=f"{_PALLAS}.mla_triton:unsupported_reason"),
@@ -130,6 +134,7 @@ AUTO = (
     AutoOrder("ragged", None, ("reference",)),
     AutoOrder("matmul", "gpu", ("pallas_triton", "xla")),
     AutoOrder("matmul", None, ("xla",)),
+    # pallas_mosaic is not in it until it measures faster than pallas_triton
     AutoOrder("gmm", "gpu", ("pallas_triton", "xla")),
     AutoOrder("gmm", None, ("xla",)),
     # MLA decode (benchmarks/mla_decode.py): the Mosaic kernel at 64 heads or more (B 64,
