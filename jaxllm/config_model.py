@@ -6,6 +6,7 @@ config's error type and the small value checks every section shares.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import typing
 from typing import Literal
 
 
@@ -19,6 +20,8 @@ def _positive(section: str, obj, names) -> None:
             raise ConfigError(f"{section}.{name}={getattr(obj, name)} must be positive")
 
 
+GmmImpl = Literal["auto", "reference", "xla", "pallas_triton", "pallas_mosaic"]
+GMM_IMPLS = typing.get_args(GmmImpl)
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
 
 
@@ -133,7 +136,8 @@ class MoEConfig:
     aux_loss_weight x the Switch load-balancing loss to the objective; "bias" adds a
     per-expert bias to the scores for choosing (not weighting) experts and moves it by
     bias_update_rate x sign(mean load - load) after every step (DeepSeek-V3's
-    auxiliary-loss-free balancing); "none" does neither.
+    auxiliary-loss-free balancing); "none" does neither. `gmm_impl` picks the grouped-matmul
+    kernel of the routed experts (`kernels.grouped_matmul`; "auto": the fastest that runs).
     """
     num_experts: int
     top_k: int
@@ -148,6 +152,7 @@ class MoEConfig:
     balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
     aux_loss_weight: float = 0.01
     bias_update_rate: float = 1e-3
+    gmm_impl: GmmImpl = "auto"
 
     def __post_init__(self):
         w = "model.moe"

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxllm import config
+from jaxllm import config, config_model
 from jaxllm.kernels import registry
 from jaxllm.kernels.registry import available, names, pick
 
@@ -83,6 +83,18 @@ def test_decode_paged_ragged_and_matmul_auto_on_a_gpu(on_gpu):
     assert pick("matmul", "auto", x, jnp.ones((24, 64)), "none").name == "xla"
 
 
+def test_gmm_auto_follows_the_rows(on_gpu):
+    # the Mosaic kernel for a training step's rows on a Hopper, the Triton one for few rows
+    # (prefill, decode) and without a Hopper
+    rhs, sizes = (jax.ShapeDtypeStruct((8, 256, 128), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((8,), jnp.int32))
+    big, small = (jax.ShapeDtypeStruct((m, 256), jnp.bfloat16) for m in (32768, 32767))
+    assert pick("gmm", "auto", big, rhs, sizes).name == "pallas_mosaic"
+    assert pick("gmm", "auto", small, rhs, sizes).name == "pallas_triton"
+    on_gpu(False)
+    assert pick("gmm", "auto", big, rhs, sizes).name == "pallas_triton"
+
+
 def test_unknown_and_unavailable_names():
     with pytest.raises(ValueError, match=r"unknown flash attention impl 'pallas_mosiac' "
                                          r"\(did you mean 'pallas_mosaic'\?\); choose one of"):
@@ -132,5 +144,6 @@ def test_every_entry_and_order_is_consistent():
         assert e.op in registry.OPS
     for rule in registry.AUTO:
         assert set(rule.names) <= set(names(rule.op)) - {"auto"}
+    assert names("gmm") == config_model.GMM_IMPLS  # model.moe.gmm_impl's choices
     for op in registry.OPS:  # every op has an order for any backend
         assert any(r.op == op and r.platform is None for r in registry.AUTO)

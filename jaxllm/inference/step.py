@@ -181,7 +181,8 @@ def _routed_experts(cfg, mp: MoEParams, h):
     h2 = h.reshape(b * s, d)
     logits = jnp.dot(h2, mp.router.T, preferred_element_type=jnp.float32)  # (T, E)
     ids, weights, _ = route(logits, mp.expert_bias, cfg.moe)
-    return expert_ffn(h2, ids, weights, mp.gate, mp.up, mp.down).reshape(b, s, d)
+    return expert_ffn(h2, ids, weights, mp.gate, mp.up, mp.down,
+                      impl=cfg.moe.gmm_impl).reshape(b, s, d)
 
 
 def _fused_block(cfg, lp: LayerParams, x, positions, cache: ContiguousCache, layer: int):

@@ -151,7 +151,7 @@ class MoE(nnx.Module):
         bias = None if self.expert_bias is None else self.expert_bias[...]
         ids, weights, probs = route(logits, bias, self.cfg)
         y = experts.expert_ffn(x2, ids, weights, self.gate[...], self.up[...], self.down[...],
-                               local=expert_ffn)  # ep > 1: the all-to-all form
+                               local=expert_ffn, impl=self.cfg.gmm_impl)  # ep > 1: all-to-all
         y = y.reshape(b, s, d)
         if self.shared is not None:
             y = y + self.shared(x)
