@@ -14,9 +14,17 @@ from jaxllm.kernels.pallas import (flash_mosaic, flash_triton, gemv_triton, gmm_
 BF16 = jnp.bfloat16
 
 
+# The device the lowering targets: Pallas Triton on jax >= 0.11 reads the GPU's kind from the
+# current (abstract) mesh when no GPU is attached.
+_H100 = jax.sharding.AbstractMesh(
+    (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+
+
 def _lowers(fn, *shapes):
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    with jax.sharding.use_abstract_mesh(_H100):
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("epilogue,rows", [("none", 1), ("glu", 1), ("qkv", 1), ("none", 6)])
