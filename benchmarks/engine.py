@@ -52,6 +52,8 @@ from jaxllm.inference.engine import Engine
 from jaxllm.inference.generate import generate_ids
 from jaxllm.inference.requests import SamplingParams
 from jaxllm.inference.scheduler import Request, ScheduledStep, Scheduler
+from jaxllm.plan.memory import kv_bytes_per_token
+from jaxllm.plan.serving import engine_figures
 
 FULL = dict(config="configs/llama_1b.yaml", requests=512, batch=64, max_seqs=256,
             context="512:2048", prompt_len="32:2048", output_len="16:512", prefix_len=2048, prefix_requests=16)
@@ -80,10 +82,11 @@ def read_bandwidth() -> float:
 
 
 def step_bytes(cfg, kv_tokens: int) -> int:
+    """Bytes a decode step reads: the weights but the embedding, the head, and the live cache
+    (GQA K and V, or MLA's latent and rotary key: `plan.memory.kv_bytes_per_token`)."""
     m = cfg.model
     weights = m.num_params(embeddings=False) + m.vocab_size * m.d_model
-    kv = 2 * m.n_layers * m.n_kv_heads * m.resolved_head_dim * kv_tokens
-    return jnp.dtype(m.dtype).itemsize * (weights + kv)
+    return jnp.dtype(m.dtype).itemsize * weights + kv_bytes_per_token(m) * kv_tokens
 
 
 def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: float,
@@ -478,6 +481,11 @@ def main(argv=None):
     rows = [{"case": "engine start-up (compile every bucket)", "total s": time.perf_counter() - t0,
              "buckets": len(engine.runner.buckets), "pages": engine.num_pages}]
     print(rows[-1], flush=True)
+    kv_kind = "MLA latent + rotary key" if cfg.model.mla else "GQA K and V"
+    held = engine_figures(engine).kv_bytes_per_token  # the pool's bytes / its token slots
+    print(f"KV cache per token: the engine's pool {held:,.0f} bytes, the formula "
+          f"{kv_bytes_per_token(cfg.model):,.0f} ({kv_kind}, {cfg.model.n_layers} "
+          f"layers, {cfg.model.dtype})", flush=True)
     if args.only_step or not args.only_prefix:
         bw = read_bandwidth()
         print(f"read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
