@@ -17,7 +17,8 @@ BF16 = jnp.bfloat16
 # The device the lowering targets: Pallas Triton on jax >= 0.11 reads the GPU's kind from the
 # current (abstract) mesh when no GPU is attached.
 _H100 = jax.sharding.AbstractMesh(
-    (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+    (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+    abstract_device=jax.sharding.AbstractDevice(
         device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
 
 
