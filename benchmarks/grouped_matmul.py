@@ -22,8 +22,8 @@ gmm_triton's kernel, so its "d rhs" row times that), ragged_dot, and "dense": lh
 2 M K N FLOPs a product (fwd+bwd: 3x that). Figures: TFLOP/s and "x dense", the median
 per-round ratio of the dense matmul's time to the implementation's in the same mode (the
 target, fwd+bwd: >= 0.7). --tiles adds "pallas_triton, tiles" (other
-`gmm_triton.BlockSizes` fields); --mosaic-tiles a small sweep of `gmm_mosaic.BlockSizes`
-("pallas_mosaic, <fields>", one per ';'-separated set), all timed in the same rounds.
+`gmm_triton.BlockSizes` fields); --mosaic-tiles "pallas_mosaic, <fields>" rows (`gmm_mosaic.BlockSizes`,
+one per ';'-separated set), all timed in the same rounds.
 Before timing, every implementation of ours (and each tile set) is checked against the
 jnp reference (forward and both gradients) at one shape: --check-tokens tokens, top-8,
 skewed, up; `check` says how it went (max |err| / max |want| <= 2e-2 per output).
@@ -46,7 +46,6 @@ QUICK = dict(experts=4, d_model=128, width=64, tokens=64, top_ks=(2,))  # K, N: 
 DTYPE = jnp.bfloat16
 TOL = 2e-2
 MODES = (("fwd", 1), ("d lhs", 1), ("d rhs", 1), ("fwd+bwd", 3))  # (mode, x 2MKN FLOPs)
-MOSAIC_SWEEP = "block_n=128;block_m=256,block_n=128"
 
 
 def group_sizes(rows: int, experts: int, kind: str, seed: int) -> np.ndarray:
@@ -197,16 +196,14 @@ def main(argv=None) -> list[dict]:
                     help="leave out pallas_mosaic (e.g. on a GPU older than Hopper)")
     ap.add_argument("--tiles", default="", metavar="FIELD=INT,...",
                     help="also time pallas_triton with these BlockSizes fields")
-    ap.add_argument("--mosaic-tiles", default=MOSAIC_SWEEP, metavar="FIELD=INT,...;...",
+    ap.add_argument("--mosaic-tiles", default="", metavar="FIELD=INT,...;...",
                     help="also time pallas_mosaic with each ';'-separated set of "
-                         f"gmm_mosaic.BlockSizes fields ('' for none; default {MOSAIC_SWEEP!r})")
+                         "gmm_mosaic.BlockSizes fields")
     args = add_args(ap).parse_args(argv)
     tiles = parse_tiles(args.tiles)
     sweep = [] if args.no_mosaic else [parse_tiles(t) for t in args.mosaic_tiles.split(";")
                                        if t.strip()]
     shape = QUICK if args.quick else FULL
-    if args.quick and args.mosaic_tiles == MOSAIC_SWEEP:
-        sweep = []  # the simulator is slow: the smoke test times only the default tiles
     top_ks = (tuple(int(t) for t in args.top_ks.split(",")) if args.top_ks
               else shape["top_ks"])
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; {shape['experts']} "
