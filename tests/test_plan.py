@@ -295,3 +295,64 @@ def test_measured_kernel_ceilings(tmp_path):
     bad.write_text("base: h200\nmatmul_shapes: {12x3: 1.0e14}\n")
     with pytest.raises(ValueError, match="MxKxN"):
         get_hardware("h200", bad)
+
+
+def test_pipeline_stages_and_experts_of_an_moe_model():
+    """With pp a device holds one stage of ceil(L / pp) layers, the busiest stage (past the
+    dense layers) that many MoE layers: its all-to-alls and its experts' rows are that
+    stage's, not the model's. 1f1b runs the stage's forward, its all-to-alls with it, again
+    in the backward tick; remat "dots" reruns the routed experts' exchanges. A step reads
+    (and the per-kernel model casts) the weights the device holds: its experts, over ep."""
+    from jaxllm.plan.memory import abstract_params
+
+    def moe(*over, devices=8, **kw):
+        return plan(load_config("configs/tiny_moe.yaml", ["model.n_layers=8",  # 7 MoE layers
+                                                          "parallelism.dp=-1", *over]),
+                    "h100", devices, **kw)
+
+    def all_to_all(p):
+        return next(c for c in p.collectives if c.op == "all-to-all")
+
+    one = moe("parallelism.ep=2")  # dp 4 x ep 2: 4 rows a device
+    # pp 2 x dp 2 x ep 2 in 2 microbatches: 4 rows a device a microbatch, as above
+    two = moe("parallelism.ep=2", "parallelism.pp=2", microbatches=2)
+    dots = moe("parallelism.ep=2", "model.remat=dots")
+    m = one.cfg.model
+    row = 128 * m.moe.top_k * m.d_model * 4  # one sequence's routed rows, float32
+    assert (all_to_all(one).count, all_to_all(one).bytes) == (4 * 7, 4 * row)
+    assert (all_to_all(two).count, all_to_all(two).bytes) == (6 * 4, 2 * 4 * row)
+    assert (all_to_all(dots).count, all_to_all(dots).bytes) == (6 * 7, 4 * row)
+    # the busiest stage is the last: four MoE layers however many dense ones come first
+    # (the parameters differ: a dense layer is not an MoE layer)
+    four = moe("parallelism.ep=2", "parallelism.pp=2", "model.moe.dense_layers=4",
+               microbatches=2)
+    assert four.train_memory.activations == two.train_memory.activations
+    assert all_to_all(four) == all_to_all(two)
+    # weights read: three passes over the device's parameters, the experts' halved by ep 2
+    elems = sum(np.prod(shape) / (2 if "experts" in names else 1)
+                for shape, _, names in abstract_params(m))
+    mem = one.train_memory
+    optimizer = 2 * mem.params + mem.grads + 2 * mem.opt_state
+    assert one.train.bytes - 2 * mem.activations - optimizer == pytest.approx(3 * elems * 4)
+    # the per-kernel model's weight casts fall with 1 / ep (dp 8, dp 4 x ep 2, dp 2 x ep 4:
+    # the same tokens a device)
+    casts = [sum(k.launches * k.bytes for k in p.kernels.train.kernels if k.what == "weights")
+             for p in (moe(f"parallelism.ep={ep}") for ep in (1, 2, 4))]
+    assert casts[0] > casts[1] > casts[2] > 0
+    assert casts[0] - casts[1] == pytest.approx(2 * (casts[1] - casts[2]))
+
+
+def test_deepseek_v3_on_paper():
+    """docs/planning.md's DeepSeek-V3 run (the planner only: the model is traced abstractly,
+    never built): 671B parameters, 37.6B active; 4 MoE layers a stage, whose all-to-alls
+    cross hosts and bound the step; its experts' dropless rows do not fit an H800."""
+    cfg = load_config("configs/deepseek_v3.yaml")
+    cfg.check()
+    m = cfg.model
+    assert round(m.num_params() / 1e9) == 671 and round(m.num_params(active=True) / 1e8) == 376
+    p = plan(cfg, "h800", 2048, microbatches=120)
+    assert p.sizes == {"pp": 16, "dp": 2, "fsdp": 1, "ep": 64, "cp": 1, "tp": 1}
+    a2a = next(c for c in p.collectives if c.op == "all-to-all")
+    assert (a2a.count, a2a.group, a2a.link) == (6 * 4, 64, "network")
+    assert a2a.bytes == 120 * 4096 * 8 * 7168 * 2  # a device's 120 sequences, 8 copies
+    assert p.bound == "communication" and not p.fits

@@ -20,11 +20,13 @@ functions, zero until the config has those sections):
     tp                       two all-reduces of the activations per layer forward and two
                              backward (with sequence parallelism each is a reduce-scatter
                              + all-gather: the same bytes); the forward again under remat
+                             "full" and in 1f1b's backward ticks
     cp                       the ring passes key/value blocks cp - 1 times per layer
                              forward, keys/values and their gradients backward ("allgather":
                              all-gather / reduce-scatter of the same); gradients all-reduced
-    ep                       all-to-all of the routed tokens, twice per MoE layer each way;
-                             dense parameters' gradients all-reduced like dp
+    ep                       all-to-all of the routed tokens, twice per MoE layer of the
+                             stage each way, the forward's again where it is recomputed
+                             (remat, 1f1b); dense parameters' gradients all-reduced like dp
     pp                       each microbatch's activations sent forward, their gradients back
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from jaxllm.config import Config
-from jaxllm.plan.flops import moe_layers
+from jaxllm.plan.flops import pipeline_of, stage_moe_layers
 from jaxllm.plan.hardware import Hardware
 from jaxllm.plan.memory import DTYPE_BYTES, StateBytes, local_tokens
 from jaxllm.sharding.mesh import AXES, _host_split
@@ -104,7 +106,9 @@ def train_collectives(cfg: Config, sizes: dict[str, int], hw: Hardware,
     c = DTYPE_BYTES[m.dtype]
     layers = math.ceil(m.n_layers / sizes["pp"])
     act = rows * seq * m.d_model * c  # one residual-stream activation per device
-    forwards = 2 if m.remat == "full" else 1
+    # forwards a step runs of each layer: 1f1b runs the stage's again in its backward tick
+    again = int(pipeline_of(cfg, sizes) == "1f1b")
+    forwards = 1 + (m.remat == "full") + again
     if p.sequence_parallel:
         for op in ("reduce-scatter", "all-gather"):
             add(("tp",), op, act, 2 * (forwards + 1) * layers * micro,
@@ -120,24 +124,27 @@ def train_collectives(cfg: Config, sizes: dict[str, int], hw: Hardware,
     else:
         ring = (sizes["cp"] - 1) * layers * micro
         add(("cp",), "ppermute", kv, (forwards + 2) * ring, "key/value blocks and gradients")
-    out += moe_collectives(cfg, sizes, hw, rows * seq * micro, link)
+    out += moe_collectives(cfg, sizes, hw, rows * seq * micro, link, again)
     # between stages each tp rank sends its own shard with sequence parallelism, else all
     sent = act / sizes["tp"] if p.sequence_parallel else act
     out += pipeline_collectives(cfg, sizes, hw, sent, micro, link)
     return out
 
 
-def moe_collectives(cfg: Config, sizes, hw: Hardware, tokens: int, link) -> list[Collective]:
-    """Expert parallelism: each MoE layer's dispatch and combine all-to-alls of the routed
-    tokens (top_k copies of each), forward and backward. None without `model.moe`."""
+def moe_collectives(cfg: Config, sizes, hw: Hardware, tokens: int, link,
+                    again: int = 0) -> list[Collective]:
+    """Expert parallelism: the dispatch and combine all-to-alls of the routed tokens (top_k
+    copies of each) of each MoE layer of the device's stage, forward and backward, and
+    the forward's again where the backward recomputes the routed experts (remat "dots" and
+    "full"; `again`: the forwards a pipeline schedule reruns). None without `model.moe`."""
     m = cfg.model
-    n_moe, ep = moe_layers(m), sizes["ep"]
+    n_moe, ep = stage_moe_layers(m, sizes["pp"]), sizes["ep"]
     if n_moe == 0 or ep == 1:
         return []
     nbytes = tokens * m.moe.top_k * m.d_model * DTYPE_BYTES[m.dtype]
     kind = link["ep"]
     bw = hw.ib_bw if kind == "network" else hw.nvlink_bw
-    count = 4 * n_moe
+    count = 2 * (2 + (m.remat != "none") + again) * n_moe
     return [Collective("ep", "all-to-all", nbytes, count, ep, kind,
                        count * ring_seconds("all-to-all", nbytes, ep, bw),
                        "routed tokens, dispatch and combine")]

@@ -17,6 +17,7 @@ N_active counts the parameters one token passes through: every dense layer, and 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from jaxllm.config import Config, ModelConfig
@@ -49,6 +50,12 @@ def moe_layers(m: ModelConfig) -> int:
     """Layers whose feed-forward is a mixture of experts (0 without `model.moe`)."""
     moe = getattr(m, "moe", None)
     return 0 if moe is None else m.n_layers - getattr(moe, "dense_layers", 0)
+
+
+def stage_moe_layers(m: ModelConfig, pp: int) -> int:
+    """MoE layers of the busiest pipeline stage: a stage holds ceil(L / pp) layers, and past
+    the first `dense_layers` every one is MoE (all of them with pp = 1)."""
+    return min(moe_layers(m), math.ceil(m.n_layers / pp))
 
 
 def routed_expert_flops(m: ModelConfig) -> float:

@@ -174,8 +174,10 @@ def _mlp_ops(T: int, d: int, f: int, c: float, prefix: str = "") -> list[Op]:
 
 
 def train_layer_ops(m: ModelConfig, rows: int, seq: int, tp: int = 1,
-                    moe: bool = False) -> list[Op]:
-    """The forward of one block (`model/block.py`) over rows x seq tokens on one device."""
+                    moe: bool = False, ep: int = 1) -> list[Op]:
+    """The forward of one block (`model/block.py`) over rows x seq tokens on one device
+    (`ep`: an MoE layer's experts split over it; the grouped matmuls' rows stay the
+    device's tokens' assignments, the mean a device receives)."""
     c = DTYPE_BYTES[m.dtype]
     T, d = rows * seq, m.d_model
     hq, hkv, f = heads(m, tp)
@@ -234,6 +236,7 @@ def train_layer_ops(m: ModelConfig, rows: int, seq: int, tp: int = 1,
     k, fe = e.top_k, split(e.expert_mlp_dim, tp)
     R = T * k  # assignments
     RD, RF, TE = R * d * c, R * fe * c, T * e.num_experts * 4
+    local = e.num_experts // ep  # the experts whose weights the device holds
     ops += [Op("router", "matmul", TE, ("none", "dots"), ("norm2",), (T, d, e.num_experts)),
             Op("route", "elementwise", TE, ("none",), read=ROUTING_KERNELS * TE,
                launches=ROUTING_KERNELS, bwd=(4 * TE, 3)),
@@ -241,10 +244,10 @@ def train_layer_ops(m: ModelConfig, rows: int, seq: int, tp: int = 1,
             Op("sort", "elementwise", 2 * R * 4 * SORT_KERNELS, read=2 * R * 4 * SORT_KERNELS,
                launches=2 * SORT_KERNELS + 2, bwd=None),  # order, inverse, counts
             Op("dispatch", "elementwise", RD, ("none",), read=RD, bwd=(2 * RD + X, 2)),
-            Op("e_gate", "gmm", RF, ("none",), ("dispatch",), (R, d, fe), e.num_experts),
-            Op("e_up", "gmm", RF, ("none",), ("dispatch",), (R, d, fe), e.num_experts),
+            Op("e_gate", "gmm", RF, ("none",), ("dispatch",), (R, d, fe), local),
+            Op("e_up", "gmm", RF, ("none",), ("dispatch",), (R, d, fe), local),
             Op("e_swiglu", "elementwise", RF, ("none",), read=2 * RF),
-            Op("e_down", "gmm", RD, ("none",), ("e_swiglu",), (R, fe, d), e.num_experts),
+            Op("e_down", "gmm", RD, ("none",), ("e_swiglu",), (R, fe, d), local),
             Op("combine", "elementwise", X, ("none",), read=2 * RD, launches=2,
                bwd=(4 * RD + 2 * X, 3))]  # the gather back, the weighted sum in f32
     if e.num_shared_experts:
@@ -281,8 +284,8 @@ def train_kernels(cfg: Config, rows: int, seq: int, sizes: dict[str, int] | None
                                         cfg.parallelism.sequence_parallel, moe)
             if moe and experts_saved(remat):
                 saved += expert_bytes(m, sizes, T, "gpu")[0]
-            one = layer_train_kernels(train_layer_ops(m, rows, seq, tp, moe), c, p, remat,
-                                      saved)
+            ops = train_layer_ops(m, rows, seq, tp, moe, sizes["ep"])
+            one = layer_train_kernels(ops, c, p, remat, saved)
             ks += repeated(one, count)
     logits = T * V * 4
     head = Op("head", "matmul", logits, (), (), (T, d, V))

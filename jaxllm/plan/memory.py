@@ -41,7 +41,7 @@ from jaxllm.config import Config, ModelConfig
 from jaxllm.plan.activations import (BACKWARD_WORKING_SET, DTYPE_BYTES, expert_bytes,
                                      experts_saved, resolved_attention_impl,
                                      ring_saved_per_token, saved_per_token)
-from jaxllm.plan.flops import moe_layers
+from jaxllm.plan.flops import stage_moe_layers
 from jaxllm.sharding.rules import Rules
 
 __all__ = ["DTYPE_BYTES", "StateBytes", "TrainMemory", "InferenceMemory", "state_bytes",
@@ -174,11 +174,11 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
                                         p.sequence_parallel, moe)
 
     layers = math.ceil(m.n_layers / sizes["pp"])
-    n_moe = moe_layers(m)
+    n_moe = stage_moe_layers(m, sizes["pp"])  # this stage's (with pp: the busiest one's)
     stacked = (layers - n_moe) * saved(False) + (n_moe * saved(True) if n_moe else 0.0)
     if sizes["pp"] > 1:
-        acts, grads = pipeline_activations(cfg, sizes["pp"], micro, remat, saved(False),
-                                           saved(False, "none"), tokens, states)
+        acts, grads = pipeline_activations(cfg, sizes["pp"], micro, remat, stacked / layers,
+                                           saved(bool(n_moe), "none"), tokens, states)
     else:
         # the layer being differentiated: its cotangents, and under remat its recomputed
         # intermediates, in units of one layer's full set
@@ -214,8 +214,8 @@ def pipeline_activations(cfg: Config, pp: int, micro: int, remat: str, saved: fl
                          saved_none: float, tokens: float, states: StateBytes
                          ) -> tuple[float, float]:
     """(activations, gradients) of a pipeline stage (`sharding/pipeline.py`); `saved` /
-    `saved_none`: one layer's saved bytes for one microbatch under the remat policy /
-    without remat.
+    `saved_none`: one layer's saved bytes for one microbatch under the remat policy (the
+    stage's mean) / without remat (an MoE stage's routed experts' rows are the caller's).
 
     gpipe, circular: autodiff of the scan over the v m + p - 1 forward ticks (the
     bubble's included) keeps every tick's residuals: the stage's saved activations (its

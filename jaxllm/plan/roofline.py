@@ -4,10 +4,10 @@ network adds; the larger term names what bounds it.
 Arithmetic intensity is FLOPs per HBM byte; above the ridge point (peak / bandwidth) a
 workload is compute-bound, below it memory-bound. HBM bytes counted:
 
-    train step  the compute copy of the weights read three times per microbatch (forward,
-                the two backward matmuls), the optimizer's pass over its shards (read
-                params, grads, m, v; write params, m, v) and the saved activations written
-                once and read once
+    train step  the compute copy of the device's weights (its share over tp, pp and ep)
+                read three times per microbatch (forward, the two backward matmuls), the
+                optimizer's pass over its shards (read params, grads, m, v; write params,
+                m, v) and the saved activations written once and read once
     prefill     the weights once and the new K/V written
     decode      the weights once (of the routed experts, those the batch's tokens choose)
                 and every live K/V byte read, per step
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from jaxllm.config import Config
 from jaxllm.plan.flops import decode_flops, pipeline_of, prefill_flops, train_flops
 from jaxllm.plan.hardware import Hardware
-from jaxllm.plan.memory import DTYPE_BYTES, TrainMemory, inference_memory, weight_bytes
+from jaxllm.plan.memory import DTYPE_BYTES, TrainMemory, inference_memory, state_bytes
+from jaxllm.sharding.rules import Rules
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,12 @@ def train_point(cfg: Config, sizes: dict[str, int], mem: TrainMemory, comm_s: fl
     n = math.prod(sizes.values())
     fl = train_flops(m, t.batch_size, t.seq_len, pipeline=pipeline_of(cfg, sizes))
     flops = fl.hardware_per_step / n * (1 + bubble_fraction(cfg, sizes["pp"], micro))
-    weights = 3 * micro * weight_bytes(m) / (sizes["tp"] * sizes["pp"])
+    # the weights in their compute layout (the layer stack's, and the embedding's, head's
+    # and final norm's as their gradients are made), in the compute dtype
+    states = state_bytes(cfg, Rules(tuple(sizes.items()), t.zero_stage,
+                                    cfg.parallelism.sequence_parallel))
+    compute = (states.stack_compute + states.grads_unstacked) / DTYPE_BYTES[m.param_dtype]
+    weights = 3 * micro * compute * DTYPE_BYTES[m.dtype]
     optimizer = 2 * mem.params + mem.grads + 2 * mem.opt_state  # read all; write p, m, v
     acts = 2 * mem.activations
     return Point("train", flops, weights + optimizer + acts, comm_s)
