@@ -5,8 +5,9 @@
     + a dense SwiGLU of the shared experts, which every token takes
 
 `expert_ffn` is the dispatch-compute-combine step on one device: the T x top_k
-assignments sorted by expert, the tokens gathered in that order, one grouped matmul per
-projection (`kernels.grouped_matmul`: expert e multiplies its rows only), and the outputs
+assignments sorted by expert, the tokens gathered in that order, the experts' SwiGLUs as
+grouped matmuls (`sharding.experts.expert_mlp` over `kernels.grouped_matmul`: expert e
+multiplies its rows only), and the outputs
 gathered back to their tokens and summed with the router's weights. Expert parallelism
 replaces this one function by an all-to-all form; routing and balancing stay as they are.
 
@@ -27,7 +28,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import MoEConfig
-from jaxllm.kernels import grouped_matmul
 from jaxllm.model.layers import MLP, param
 from jaxllm.sharding import experts
 
@@ -106,12 +106,9 @@ def expert_ffn(x, ids, weights, gate, up, down, *, impl: str = "auto"):
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)  # rows per expert
     inv = jnp.argsort(order)  # the row of each assignment
     xs = _dispatch(x, order, inv, k)  # [T k, d], each assignment's token
-    dt = x.dtype
-    h = (jax.nn.silu(grouped_matmul(xs, gate.astype(dt), sizes, impl=impl))
-         * grouped_matmul(xs, up.astype(dt), sizes, impl=impl))  # [T k, f]
-    ys = grouped_matmul(h, down.astype(dt), sizes, impl=impl)  # [T k, d]
+    ys = experts.expert_mlp(xs, gate, up, down, sizes, impl=impl)  # [T k, d]
     ys = _permute(ys, inv, order).reshape(t, k, -1)  # back to (token, slot)
-    return jnp.einsum("tkd,tk->td", ys.astype(jnp.float32), weights).astype(dt)
+    return jnp.einsum("tkd,tk->td", ys.astype(jnp.float32), weights).astype(x.dtype)
 
 
 def routing_stats(ids, probs, num_experts: int) -> dict:

@@ -7,7 +7,7 @@ tokens of a layer are split over dp, fsdp, ep and cp). One MoE layer, inside `sh
     dispatch  each device sorts its T x top_k assignments by expert (hence by device) and
               sends every device the tokens routed to its experts (all-to-all over ep)
     compute   the received rows, sorted by local expert, through the local experts
-              (`kernels.grouped_matmul`, one call per projection)
+              (`expert_mlp`: grouped matmuls, `kernels.grouped_matmul`)
     combine   the outputs go back the way they came (all-to-all) and each token sums its
               top_k outputs with the router's weights, as `model.moe.expert_ffn` does
 
@@ -100,6 +100,16 @@ def expert_ffn(x, ids, weights, gate, up, down, *, local, impl: str = "auto",
                          out_specs=rows)(x, ids, weights, gate, up, down)
 
 
+def expert_mlp(xs, gate, up, down, sizes, *, impl: str = "auto"):
+    """The SwiGLU experts over rows sorted by expert: xs [R, d] (expert e owns sizes[e] rows
+    after those of experts < e), gate / up [E, d, f], down [E, f, d] (cast to xs's dtype)
+    -> [R, d] in xs's dtype, one grouped matmul per projection."""
+    dt = xs.dtype
+    h = (jax.nn.silu(grouped_matmul(xs, gate.astype(dt), sizes, impl=impl))
+         * grouped_matmul(xs, up.astype(dt), sizes, impl=impl))  # [R, f]
+    return grouped_matmul(h, down.astype(dt), sizes, impl=impl)
+
+
 def _replicated_experts(x, ids, weights, gate, up, down, *, local, impl, width_axis):
     """ep == 1, one device: its tokens through every expert (its part of their width)."""
     y = local(x, ids, weights, gate, up, down, impl=impl)
@@ -142,9 +152,7 @@ def _local_experts(x, ids, weights, gate, up, down, *, ep, impl, ragged, width_a
     by_expert = jnp.argsort(local, stable=True)  # unused rows last: no group computes them
     sizes = mine.sum(0)  # [el]
     r = jnp.take(recv.reshape(n * m, -1), by_expert, axis=0)
-    h = (jax.nn.silu(grouped_matmul(r, gate.astype(dt), sizes, impl=impl))
-         * grouped_matmul(r, up.astype(dt), sizes, impl=impl))  # [n m, f']
-    out = grouped_matmul(h, down.astype(dt), sizes, impl=impl)  # [n m, d]
+    out = expert_mlp(r, gate, up, down, sizes, impl=impl)  # [n m, d]
     out = jnp.take(out, _inverse(by_expert), axis=0).reshape(n, m, -1)
 
     ys = _combine(out, sent, starts[:, i], got, ragged=ragged)  # [m, d], sorted order
