@@ -18,11 +18,18 @@ rope_interleave, V2 always); ours rotates halves. Rotating pairs and then de-int
 are permuted alike, so the rotary output rows of q_proj / q_b_proj (per head) and of
 kv_a_proj_with_mqa load de-interleaved and save re-interleaved: the same scores, exactly.
 
-Multi-token prediction: a V3 checkpoint may hold num_nextn_predict_layers more layers
-(model.layers.{num_hidden_layers + k}). Their layout does not fit our MTP heads (theirs:
-an MoE block, their own output norm (shared_head.norm), the projection over [embedding;
-hidden]; ours: a dense block, the main model's final norm, [hidden; embedding]); they are
-skipped with a note, as transformers' main model skips them.
+Multi-token prediction: a V3 checkpoint holds num_nextn_predict_layers more layers
+(model.layers.{num_hidden_layers + k}), DeepSeek's MTP layers, which are our MTP modules
+(model/mtp.py, model.mtp_depth = num_nextn_predict_layers) one to one: enorm, hnorm,
+eh_proj (over [embedding; hidden], our order too), a decoder layer of the main layers'
+kind (an MoE layer past first_k_dense_replace) and shared_head.norm. Each also stores
+copies of the main model's embedding (embed_tokens) and head (shared_head.head): loading
+checks that they equal the main ones, saving writes them. model.mtp_depth=k loads the
+first k of them only (0: none), the others skipped with a note. A checkpoint saved by
+transformers holds none, though its config.json counts them (DeepseekV3Config's default
+is one): it loads without MTP modules, with a note. A model whose main layers are all
+dense but whose MTP layers first_k_dense_replace makes MoE has no such form here; its MTP
+layers are skipped with a note.
 """
 from __future__ import annotations
 
@@ -46,21 +53,54 @@ class DeepSeek:
     def model_section(self, c: dict) -> dict:
         return model_section(c, self.version)
 
+    def mtp_held(self, c: dict, names, depth: int) -> int:
+        """model.mtp_depth for the checkpoint's tensor `names`: `depth` (the section's),
+        less the MTP layers config.json counts but the checkpoint lacks (transformers
+        saves none, and its DeepseekV3Config counts one by default), with a note."""
+        held, n_layers = 0, c["num_hidden_layers"]
+        while held < depth and f"model.layers.{n_layers + held}.eh_proj.weight" in names:
+            held += 1
+        if held < depth:
+            print(f"[jaxllm.hf] config.json num_nextn_predict_layers={_mtp_layers(c)} but the "
+                  f"checkpoint holds {held} multi-token-prediction layer(s) (model.layers."
+                  f"{n_layers}+): model.mtp_depth={held}", file=sys.stderr, flush=True)
+        return held
+
     def weights(self, c: dict, m) -> dict:
         """Our parameter path -> (HF name, layout[, permutation]) (hf/tensors.py)."""
-        return weights(m, interleaved=self.version == 2 or c.get("rope_interleave", True))
+        if m.mtp_depth > _mtp_fit(c):
+            raise ValueError(_mtp_misfit(c, m.mtp_depth))
+        table = weights(m, interleaved=self.version == 2 or c.get("rope_interleave", True))
+        if m.mtp_depth:
+            layer = "model.layers.{i}"
+            table.update({"mtp/e_norm/scale": (f"{layer}.enorm.weight", "same"),
+                          "mtp/h_norm/scale": (f"{layer}.hnorm.weight", "same"),
+                          "mtp/proj/kernel": (f"{layer}.eh_proj.weight", "T1"),
+                          "mtp/final_norm/scale": (f"{layer}.shared_head.norm.weight", "same")})
+        return table
 
-    def unread(self, c: dict, names) -> set:
-        """The multi-token-prediction layers, skipped (with a note when present)."""
-        n_layers = c["num_hidden_layers"]
-        mtp = {k for k in names if (i := re.match(r"model\.layers\.(\d+)\.", k))
-               and n_layers <= int(i[1]) < n_layers + _mtp_layers(c)}
-        if mtp:
-            print(f"[jaxllm.hf] skipping {_mtp_layers(c)} multi-token-prediction layer(s) "
-                  f"(model.layers.{n_layers}+, {len(mtp)} tensors): DeepSeek's MTP layout "
-                  f"(an MoE block, its own output norm) does not fit jaxllm's MTP heads",
+    def copies(self, c: dict, m) -> dict:
+        """{HF name: the HF name it copies}: each MTP layer's copies of the main model's
+        embedding and head (of the embedding when tied)."""
+        n_layers, main = c["num_hidden_layers"], "model.embed_tokens.weight"
+        head = main if m.tie_embeddings else "lm_head.weight"
+        return {k: v for i in range(n_layers, n_layers + m.mtp_depth) for k, v in (
+            (f"model.layers.{i}.embed_tokens.weight", main),
+            (f"model.layers.{i}.shared_head.head.weight", head))}
+
+    def unread(self, c: dict, names, m) -> set:
+        """The multi-token-prediction layers past model.mtp_depth, skipped (with a note)."""
+        n_layers, n_mtp = c["num_hidden_layers"], _mtp_layers(c)
+        first = n_layers + m.mtp_depth
+        skipped = {k for k in names if (i := re.match(r"model\.layers\.(\d+)\.", k))
+                   and first <= int(i[1]) < n_layers + n_mtp}
+        if skipped:
+            why = (f"model.mtp_depth={m.mtp_depth} of num_nextn_predict_layers={n_mtp}"
+                   if m.mtp_depth < _mtp_fit(c) else _mtp_misfit(c, n_mtp))
+            print(f"[jaxllm.hf] skipping {n_layers + n_mtp - first} multi-token-prediction "
+                  f"layer(s) (model.layers.{first}+, {len(skipped)} tensors): {why}",
                   file=sys.stderr, flush=True)
-        return mtp
+        return skipped
 
 
 FAMILIES = {"DeepseekV2ForCausalLM": DeepSeek("deepseek_v2", 2),
@@ -69,6 +109,26 @@ FAMILIES = {"DeepseekV2ForCausalLM": DeepSeek("deepseek_v2", 2),
 
 def _mtp_layers(c: dict) -> int:
     return c.get("num_nextn_predict_layers", c.get("num_mtp_layers")) or 0
+
+
+def _mtp_fit(c: dict) -> int:
+    """How many of the checkpoint's MTP layers our MTP modules can hold: all of them when
+    their blocks are of the main stack's kind (MoE layers in an MoE model, dense layers in
+    a dense one), else none."""
+    n_layers, n_mtp, dense = c["num_hidden_layers"], _mtp_layers(c), c["first_k_dense_replace"]
+    return n_mtp if dense < n_layers or dense >= n_layers + n_mtp else 0
+
+
+def _mtp_misfit(c: dict, depth: int) -> str:
+    n_layers, n_mtp, dense = c["num_hidden_layers"], _mtp_layers(c), c["first_k_dense_replace"]
+    if n_mtp and _mtp_fit(c) == 0:
+        return (f"config.json first_k_dense_replace={dense} makes the main layers "
+                f"(num_hidden_layers={n_layers}) dense but MTP layer {dense} an MoE layer; "
+                f"jaxllm's MTP blocks are MoE blocks exactly in an MoE model. Load with "
+                f"model.mtp_depth=0")
+    return (f"model.mtp_depth={depth}: the checkpoint holds {n_mtp} multi-token-prediction "
+            f"layer(s) (config.json num_nextn_predict_layers); set model.mtp_depth to at "
+            f"most {n_mtp}")
 
 
 def _deinterleave(n: int) -> np.ndarray:
@@ -175,6 +235,7 @@ def model_section(c: dict, version: int) -> dict:
         dense = c["first_k_dense_replace"]
         if dense < n_layers:  # else every layer is dense
             section["moe"] = _moe_section(c, v3, dense)
+        section["mtp_depth"] = _mtp_fit(c) if v3 else 0
     except KeyError as e:
         raise ValueError(f"config.json lacks {e.args[0]!r}") from None
     theta, scaling = _rope(c)
@@ -228,9 +289,10 @@ def config_json(cfg: Config, bos_id: int | None = None, eos_id: int | None = Non
          "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": rope,
          "attention_bias": False, "tie_word_embeddings": m.tie_embeddings,
          "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": m.param_dtype,
-         "first_k_dense_replace": moe.dense_layers if moe else m.n_layers}
-    if not v2:  # rotary pairs interleaved, as DeepSeek's checkpoints; no MTP layers
-        c.update(rope_interleave=True, num_nextn_predict_layers=0)
+         # layers from first_k_dense_replace on, the MTP layers too, are MoE layers
+         "first_k_dense_replace": moe.dense_layers if moe else m.n_layers + m.mtp_depth}
+    if not v2:  # rotary pairs interleaved, as DeepSeek's checkpoints; the MTP modules
+        c.update(rope_interleave=True, num_nextn_predict_layers=m.mtp_depth)
     if moe is None:
         return c
     fields = {"moe.num_shared_experts": (moe.num_shared_experts, "1 or more",

@@ -33,9 +33,17 @@ class Family:
 
     def weights(self, c: dict, m) -> dict:
         """Our parameter path -> (HF name, layout) (hf/tensors.py)."""
+        if m.mtp_depth:
+            raise ValueError(f"model.mtp_depth={m.mtp_depth}: {self.model_type} checkpoints "
+                             f"hold no multi-token-prediction layers (DeepSeek-V3's do); "
+                             f"load without it")
         return expert_weights(self, WEIGHTS)
 
-    def unread(self, c: dict, names) -> set:
+    def copies(self, c: dict, m) -> dict:
+        """HF tensors that copy others: none."""
+        return {}
+
+    def unread(self, c: dict, names, m) -> set:
         """Checkpoint tensors deliberately not read: none."""
         return set()
 

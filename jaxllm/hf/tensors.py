@@ -1,9 +1,10 @@
 """HF tensors <-> our parameters: safetensors files, weight layouts, stacked-layer slots.
 
 A family's weight table maps each of our parameter paths to a `Weight`: the HF tensor
-name ("{i}" the layer of a stacked block, "{e}" an expert), the layout, and optionally a
-permutation of our last axis. Layouts: "same" (identical), "flat" (ours [H, D], HF [H*D]),
-"T1" / "T2" (ours [*in, *out] with 1 or 2 input axes, HF's linear weight [out, in]).
+name ("{i}" the layer of a stacked block or of an MTP module, "{e}" an expert), the
+layout, and optionally a permutation of our last axis. Layouts: "same" (identical),
+"flat" (ours [H, D], HF [H*D]), "T1" / "T2" (ours [*in, *out] with 1 or 2 input axes,
+HF's linear weight [out, in]).
 `perm`: ours[..., j] = HF's[..., perm[j]] along our last axis, once laid out (DeepSeek's
 interleaved rotary dimensions).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,19 +27,39 @@ class Weight(NamedTuple):
     perm: np.ndarray | None = None
 
 
+_MTP = re.compile(r"mtp/layers/(\d+)/")  # an MTP module's parameters (model/mtp.py)
+
+
+def table_key(ours: str) -> str:
+    """The weight table's key of our parameter path: the dense_blocks (the first layers of
+    an MoE model) and the block of each MTP module share the blocks' names; an MTP
+    module's own parameters are keyed without its index ("mtp/proj/kernel")."""
+    if ours.startswith("dense_blocks/"):
+        return "blocks/" + ours[len("dense_blocks/"):]
+    if m := _MTP.match(ours):
+        rest = ours[m.end():]
+        return "blocks/" + rest[len("block/"):] if rest.startswith("block/") else "mtp/" + rest
+    return ours
+
+
 def lookup(table: dict, ours: str) -> Weight:
-    """The Weight of our parameter path; the dense_blocks (the first layers of an MoE
-    model) share the blocks' names."""
-    key = "blocks/" + ours[len("dense_blocks/"):] if ours.startswith("dense_blocks/") else ours
+    """The Weight of our parameter path (see `table_key`)."""
+    key = table_key(ours)
     if key not in table:
         raise ValueError(f"parameter {ours!r} has no Hugging Face counterpart")
     return Weight(*table[key])
 
 
-def slots(ours: str, shape, name: str, n_dense: int) -> list[tuple[tuple, str]]:
+def slots(ours: str, shape, name: str, n_dense: int, n_layers: int) -> list[tuple[tuple, str]]:
     """(index into our parameter, HF tensor name) of each HF tensor parameter `ours` of
     `shape` holds: one for a plain one, one per layer of a stack (blocks follow the
-    n_dense dense_blocks), one per layer and expert of stacked experts."""
+    n_dense dense_blocks), one per layer and expert of stacked experts. MTP module k is
+    HF layer n_layers + k, unstacked (its experts: one per expert)."""
+    if m := _MTP.match(ours):
+        i = n_layers + int(m[1])
+        if "{e}" not in name:
+            return [((), name.format(i=i))]
+        return [((e,), name.format(i=i, e=e)) for e in range(shape[0])]
     if not ours.startswith(("blocks/", "dense_blocks/")):
         return [((), name)]
     first = n_dense if ours.startswith("blocks/") else 0

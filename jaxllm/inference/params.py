@@ -71,10 +71,12 @@ class MLALayerParams:
 
 @struct.dataclass
 class MTPParams:
-    h_norm: jax.Array  # [d]
+    """An MTP module (model/mtp.py): its block is of the main layers' kind (MLA, MoE)."""
     e_norm: jax.Array  # [d]
-    proj: jax.Array  # [d, 2 d]
+    h_norm: jax.Array  # [d]
+    proj: jax.Array  # [d, 2 d]: over [e_norm(embedding); h_norm(hidden)]
     block: LayerParams | MLALayerParams
+    final_norm: jax.Array  # [d]: before the shared head
 
 
 @struct.dataclass
@@ -193,8 +195,9 @@ def _convert(state: dict, cfg: ModelConfig, fused_rows: int) -> DecodeParams:
     stacks = [state[k] for k in ("dense_blocks", "blocks") if state.get(k)]  # in layer order
     layers = tuple(_layer(jax.tree.map(lambda a, i=i: a[i], blocks), cfg)
                    for blocks in stacks for i in range(len(jax.tree.leaves(blocks)[0])))
-    mtp = tuple(MTPParams(h_norm=m["h_norm"]["scale"], e_norm=m["e_norm"]["scale"],
-                          proj=_out_major(m["proj"]["kernel"]), block=_layer(m["block"], cfg))
+    mtp = tuple(MTPParams(e_norm=m["e_norm"]["scale"], h_norm=m["h_norm"]["scale"],
+                          proj=_out_major(m["proj"]["kernel"]), block=_layer(m["block"], cfg),
+                          final_norm=m["final_norm"]["scale"])
                 for _, m in sorted((state.get("mtp") or {"layers": {}})["layers"].items()))
     head = state.get("head")
     params = DecodeParams(embed=state["embed"]["embedding"], layers=layers,

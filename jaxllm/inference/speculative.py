@@ -30,8 +30,8 @@ import numpy as np
 from jaxllm.inference.cache import ContiguousCache
 from jaxllm.inference.params import DecodeParams, decode_params
 from jaxllm.inference.sampling import probabilities, sample
-from jaxllm.inference.step import (eos_ids, forward, init_cache, is_eos, logits as head_logits,
-                                   mtp_forward, pad_prompts, round_up)
+from jaxllm.inference.step import (eos_ids, forward, head_logits, init_cache, is_eos,
+                                   mtp_forward, pad_prompts, rms_norm, round_up)
 from jaxllm.model.mtp import shift_left
 
 
@@ -90,15 +90,17 @@ def draft_with_model(draft, cache, prev, token, pos, key, k, opts):
 def draft_with_mtp(params, h, next_tokens, last, cache, start, key, k, opts, prefill=False):
     """Chain the first k MTP modules to draft the k tokens after position start + last.
 
-    h (B, W, d): the target's hidden states at positions start..start+W-1; next_tokens
-    (B, W): the token at each position + 1, known up to index `last` (B,). Module i runs
-    over the whole window (filling its own cache), embedding the token i+1 ahead; at
-    index `last` the tokens ahead are the drafts of modules 1..i, so its prediction there
-    is draft i+1. (Positions just before `last` keep draft-fed entries in the caches of
-    modules >= 2; they only shape later drafts, never what is emitted.)
+    h (B, W, d): the target's hidden states (before its final norm) at positions
+    start..start+W-1; next_tokens (B, W): the token at each position + 1, known up to
+    index `last` (B,). Module i runs over the whole window (filling its own cache),
+    embedding the token i+1 ahead; at index `last` the tokens ahead are the drafts of
+    modules 1..i, so its prediction there is draft i+1. (Positions just before `last` keep
+    draft-fed entries in the caches of modules >= 2; they only shape later drafts, never
+    what is emitted.)
     """
     b, w = next_tokens.shape
     rows = jnp.arange(b)
+    h = rms_norm(h, params.final_norm, params.cfg.norm_eps)  # module 1 reads the head's input
     ext = jnp.concatenate([next_tokens, jnp.zeros((b, k), jnp.int32)], axis=1)  # (B, W+k)
     drafts, probs = [], []
     for i in range(k):

@@ -94,7 +94,12 @@ def embed(params: DecodeParams, tokens):  # (B, S) -> (B, S, d)
 
 def logits(params: DecodeParams, h):
     """Final norm + output head: hidden (B, S, d) -> float32 logits (B, S, V)."""
-    h = rms_norm(h, params.final_norm, params.cfg.norm_eps)
+    return head_logits(params, rms_norm(h, params.final_norm, params.cfg.norm_eps))
+
+
+def head_logits(params: DecodeParams, h):
+    """The output head alone over normed hidden states (B, S, d) -> float32 logits
+    (B, S, V): the main model's after its final norm, an MTP module's after its own."""
     head = params.embed if params.head is None else params.head
     return jnp.einsum("bsd,vd->bsv", h, head, preferred_element_type=jnp.float32)
 
@@ -242,10 +247,12 @@ def hidden_states(params: DecodeParams, tokens, positions, cache, *, prefill: bo
 def mtp_forward(params: DecodeParams, depth: int, h, tokens, cache, start, *,
                 prefill: bool = False):
     """MTP module `depth` (0-based; model/mtp.py) over h (B, S, d), the previous depth's
-    hidden states, and the tokens one ahead of each (B, S); its K/V live in layer `depth`
-    of `cache`. Returns (hidden (B, S, d), cache)."""
+    output (for depth 0 the main model's hidden states after the final norm), and the
+    tokens one ahead of each (B, S); its K/V live in layer `depth` of `cache`. Returns
+    (this depth's output (B, S, d), normed for `head_logits`; cache)."""
     m, cfg = params.mtp[depth], params.cfg
-    x = jnp.concatenate([rms_norm(h, m.h_norm, cfg.norm_eps),
-                         rms_norm(embed(params, tokens), m.e_norm, cfg.norm_eps)], axis=-1)
+    x = jnp.concatenate([rms_norm(embed(params, tokens), m.e_norm, cfg.norm_eps),
+                         rms_norm(h, m.h_norm, cfg.norm_eps)], axis=-1)
     positions = _positions(start, tokens.shape[1])
-    return block(cfg, m.block, dense(x, m.proj), positions, cache, depth, prefill=prefill)
+    x, cache = block(cfg, m.block, dense(x, m.proj), positions, cache, depth, prefill=prefill)
+    return rms_norm(x, m.final_norm, cfg.norm_eps), cache

@@ -57,7 +57,11 @@ class Decoder(nnx.Module):
 
     def logits(self, h):
         """Final norm + output head: hidden (B, S, d) -> float32 logits (B, S, V)."""
-        h = self.final_norm(h)
+        return self.head_logits(self.final_norm(h))
+
+    def head_logits(self, h):
+        """The output head alone over normed hidden states (B, S, d) -> float32 logits
+        (B, S, V): the main model's after its final norm, an MTP module's after its own."""
         if self.head is None:
             return self.embed.attend(h)
         return self.head(h).astype(jnp.float32)

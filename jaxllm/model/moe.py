@@ -157,12 +157,21 @@ class MoE(nnx.Module):
 
 def update_expert_bias(params, before, load, rate: float):
     """DeepSeek-V3's bias update after a step: `params` (the step's result) with every
-    `expert_bias` leaf [L, E] set to its value in `before` (the step's input, so nothing the
-    optimizer did to it counts) + rate * sign(mean load - load), `load` [L, E] the step's."""
+    `expert_bias` leaf set to its value in `before` (the step's input, so nothing the
+    optimizer did to it counts) + rate * sign(mean load - load). `load` [L + D, E] is the
+    step's: rows 0..L-1 the main stack's MoE layers (its bias [L, E]), row L + k the block
+    of MTP module k (its bias [E], at mtp/layers/k/block/mlp)."""
     step = rate * jnp.sign(load.mean(-1, keepdims=True) - load)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, w, w0: (w0 + step).astype(w0.dtype)
-        if getattr(path[-1], "key", None) == BIAS_KEY else w, params, before)
+    n = before["blocks"]["mlp"][BIAS_KEY].shape[0]
+
+    def one(path, w, w0):
+        keys = [getattr(p, "key", None) for p in path]
+        if keys[-1] != BIAS_KEY:
+            return w
+        rows = step[n + keys[2]] if keys[0] == "mtp" else step[:n]
+        return (w0 + rows).astype(w0.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, params, before)
 
 
 def load_max_over_mean(load, per_layer: bool = False):

@@ -93,7 +93,8 @@ class TrainFns:
     graphdef: nnx.GraphDef
     tx: optax.GradientTransformation
     step: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics)
-    eval: Callable  # (params, batch) -> {"loss"} (+ "expert_load" [L, E] with MoE layers)
+    eval: Callable  # (params, batch) -> {"loss"} (+ "expert_load" [L, E] with MoE layers,
+    #                 the MTP modules' MoE blocks after the main ones)
     plan: ShardingPlan  # the mesh and every array's layout
 
 
@@ -101,24 +102,27 @@ def loss_fn(graphdef, params, batch, mtp_weight: float = 0.0):
     """(objective, aux). aux["loss"] is the main model's token cross-entropy; with MTP
     modules the objective adds mtp_weight x their mean loss, and aux holds each depth's
     loss and accuracy (mtp1_loss, mtp1_acc, ...). With MoE layers aux holds their
-    balancing statistics (moe_*; expert_load [L, E]) and, with moe.balance "aux_loss", the
-    objective adds aux_loss_weight x the mean over layers of their aux loss."""
+    balancing statistics (moe_*; expert_load [L, E], the main stack's MoE layers then the
+    MTP modules' blocks) and, with moe.balance "aux_loss", the objective adds
+    aux_loss_weight x the mean over those layers of their aux loss."""
     model = nnx.merge(graphdef, params)
     logits, h, moe_stats = model.forward(batch["inputs"])
     loss = objective = cross_entropy(logits, batch["targets"])
     aux = {"loss": loss}
     if "teacher_logits" in batch:  # distillation (train.distill_from): the KL replaces CE
         aux["distill_kl"] = objective = kl_divergence(batch["teacher_logits"], logits)
+    if model.mtp is not None:
+        losses, accs, mtp_stats = mtp_losses(model, h, batch["targets"])
+        for k in range(len(model.mtp)):
+            aux[f"mtp{k + 1}_loss"], aux[f"mtp{k + 1}_acc"] = losses[k], accs[k]
+        objective = objective + mtp_weight * jnp.mean(losses)
+        if moe_stats:  # an MoE model's MTP blocks are MoE layers too, after the main ones
+            moe_stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), moe_stats, mtp_stats)
     if moe_stats:
         aux.update(moe_metrics(moe_stats), expert_load=moe_stats["load"])
         if model.cfg.moe.balance == "aux_loss":
             objective = objective + model.cfg.moe.aux_loss_weight * aux["moe_aux_loss"]
-    if model.mtp is None:
-        return objective, aux
-    losses, accs = mtp_losses(model, h, batch["targets"])
-    for k in range(len(model.mtp)):
-        aux[f"mtp{k + 1}_loss"], aux[f"mtp{k + 1}_acc"] = losses[k], accs[k]
-    return objective + mtp_weight * jnp.mean(losses), aux
+    return objective, aux
 
 
 def make_train_fns(cfg: Config, graphdef, plan: ShardingPlan) -> TrainFns:
