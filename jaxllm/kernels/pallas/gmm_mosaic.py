@@ -309,28 +309,11 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 def unsupported_reason(lhs, rhs, group_sizes) -> str | None:
     """Why the kernels cannot take lhs [M, K], rhs [G, K, N] (None if they can)."""
     del group_sizes
-    dtype = jnp.dtype(lhs.dtype).name
-    if dtype not in DTYPES:
-        return f"{dtype} inputs (it takes {' or '.join(DTYPES)})"
-    k, n = rhs.shape[1], rhs.shape[2]
-    if k % BK or n % BK:
-        return f"K={k} and N={n} must be multiples of {BK} (the wgmma K step of both products)"
-    if max(lhs.size, lhs.shape[0] * n, rhs.size) >= 2**31:
-        return f"lhs{lhs.shape} x rhs{rhs.shape}: arrays of 2**31 elements or more (int32 offsets)"
-    return None
+    return gmm_triton.shape_reason(lhs, rhs, DTYPES, BK, "the wgmma K step of both products")
 
 
 def _block_sizes(kwargs: dict) -> BlockSizes:
-    bs = kwargs.pop("block_sizes", None) or BlockSizes()
-    if not isinstance(bs, BlockSizes):
-        raise ValueError(f"block_sizes must be a gmm_mosaic.BlockSizes; got "
-                         f"{type(bs).__name__}")
-    names = {f.name for f in dataclasses.fields(BlockSizes)}
-    unknown = sorted(set(kwargs) - names)
-    if unknown:
-        raise ValueError(f"unknown pallas_mosaic options {unknown}; valid: block_sizes, "
-                         f"{sorted(names)}")
-    return dataclasses.replace(bs, **kwargs)
+    return gmm_triton.block_sizes_from(kwargs, BlockSizes, BlockSizes(), "pallas_mosaic")
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None,

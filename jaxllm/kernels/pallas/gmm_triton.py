@@ -305,28 +305,40 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 def unsupported_reason(lhs, rhs, group_sizes) -> str | None:
     """Why the kernels cannot take lhs [M, K], rhs [G, K, N] (None if they can)."""
     del group_sizes
+    return shape_reason(lhs, rhs, DTYPES, MIN_BLOCK, "the contracted dims")
+
+
+def shape_reason(lhs, rhs, dtypes, multiple: int, why: str) -> str | None:
+    """Why a grouped-matmul kernel of `dtypes`, whose K and N must be multiples of
+    `multiple` (for `why`), cannot take lhs [M, K], rhs [G, K, N] (None if it can)."""
     dtype = jnp.dtype(lhs.dtype).name
-    if dtype not in DTYPES:
-        return f"{dtype} inputs (it takes {' or '.join(DTYPES)})"
+    if dtype not in dtypes:
+        return f"{dtype} inputs (it takes {' or '.join(dtypes)})"
     k, n = rhs.shape[1], rhs.shape[2]
-    if k % MIN_BLOCK or n % MIN_BLOCK:
-        return f"K={k} and N={n} must be multiples of {MIN_BLOCK} (the contracted dims)"
+    if k % multiple or n % multiple:
+        return f"K={k} and N={n} must be multiples of {multiple} ({why})"
     if max(lhs.size, lhs.shape[0] * n, rhs.size) >= 2**31:
         return f"lhs{lhs.shape} x rhs{rhs.shape}: arrays of 2**31 elements or more (int32 offsets)"
     return None
 
 
-def _block_sizes(itemsize: int, kwargs: dict) -> BlockSizes:
-    bs = kwargs.pop("block_sizes", None) or default_block_sizes(itemsize)
-    if not isinstance(bs, BlockSizes):
-        raise ValueError(f"block_sizes must be a gmm_triton.BlockSizes; got "
-                         f"{type(bs).__name__}")
-    names = {f.name for f in dataclasses.fields(BlockSizes)}
+def block_sizes_from(kwargs: dict, cls, default, impl: str):
+    """`kwargs`' `block_sizes=cls(...)` (else `default`) with any of its fields replaced
+    by the other kwargs; a wrong type or an unknown name is a ValueError naming `impl`."""
+    bs = kwargs.pop("block_sizes", None) or default
+    if not isinstance(bs, cls):
+        raise ValueError(f"block_sizes must be a {cls.__module__.rsplit('.', 1)[-1]}."
+                         f"{cls.__name__}; got {type(bs).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - names)
     if unknown:
-        raise ValueError(f"unknown pallas_triton options {unknown}; valid: block_sizes, "
+        raise ValueError(f"unknown {impl} options {unknown}; valid: block_sizes, "
                          f"{sorted(names)}")
     return dataclasses.replace(bs, **kwargs)
+
+
+def _block_sizes(itemsize: int, kwargs: dict) -> BlockSizes:
+    return block_sizes_from(kwargs, BlockSizes, default_block_sizes(itemsize), "pallas_triton")
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None,
