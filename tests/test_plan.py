@@ -116,8 +116,10 @@ def test_serving_plan_beside_the_engine():
 
     sizes = dict(num_pages=20, page_size=16, max_num_seqs=2, max_num_batched_tokens=16,
                  decode_window=1)
-    for path, warm in [("configs/tiny.yaml", True), ("configs/tiny_mla.yaml", False)]:
-        cfg = load_config(path, ["model.n_layers=1", "model.max_seq_len=128"])
+    # the MLA model has an MTP module, which the engine does not hold (it decodes plainly)
+    for path, warm, extra in [("configs/tiny.yaml", True, []),
+                              ("configs/tiny_mla.yaml", False, ["model.mtp_depth=1"])]:
+        cfg = load_config(path, ["model.n_layers=1", "model.max_seq_len=128", *extra])
         model = build_model(cfg.model, rngs=nnx.Rngs(0))
         engine = Engine(model, cfg, warm_up=warm, **sizes)  # one bucket: 16 tokens
         fig = engine_figures(engine)

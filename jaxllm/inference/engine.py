@@ -100,7 +100,9 @@ class Engine:
             raise ValueError(f"model.sliding_window={m.sliding_window}: the engine's paged "
                              f"cache has no sliding-window attention; use jaxllm.generate")
         self.model_config = m
-        self.params = params if params is not None else decode_params(model, cfg)
+        params = params if params is not None else decode_params(model, cfg)
+        # the engine's steps never read MTP modules (its decoding is plain): none on the device
+        self.params = params.replace(mtp=()) if params.mtp else params
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.data.tokenizer)
         self.eos_ids = tuple(self.tokenizer.eos_ids)
         self.max_model_len = m.max_seq_len
