@@ -18,11 +18,13 @@ from pathlib import Path
 
 import processes
 
-# one MoE layer (8 experts, top-2, the selection bias), small enough to compile fast
+# one MoE layer (8 experts, top-2, the selection bias) and one MTP module (its block an MoE
+# block too, its loss in the objective), small enough to compile fast
 MODEL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.n_layers=1",
          "model.moe.dense_layers=0", "model.moe.num_shared_experts=0",
-         "model.moe.expert_mlp_dim=16", "model.init_std=0.3", "train.batch_size=8",
-         "train.seq_len=16"]
+         "model.moe.expert_mlp_dim=16", "model.init_std=0.3", "model.mtp_depth=1",
+         "train.batch_size=8", "train.seq_len=16"]
+MTP_WEIGHT = 0.5
 LAYOUTS = {  # ep alone, with fsdp and tp (the expert width split), with dp; no ep
     "ep8": ["parallelism.dp=1", "parallelism.ep=8"],
     "ep2_fsdp2_tp2": ["parallelism.dp=1", "parallelism.fsdp=2", "parallelism.ep=2",
@@ -55,7 +57,7 @@ def loss_and_grads(plan, params, batch) -> dict:
     from jaxllm.sharding.constrain import traced_in
     from jaxllm.train.trainer import loss_fn
 
-    fn = jax.value_and_grad(lambda p, b: loss_fn(plan.graphdef, p, b)[0])
+    fn = jax.value_and_grad(lambda p, b: loss_fn(plan.graphdef, p, b, MTP_WEIGHT)[0])
     step = jax.jit(traced_in(plan.context, fn), in_shardings=(plan.params, plan.batch),
                    out_shardings=(plan.replicated, plan.shardings("grads")))
     loss, grads = step(jax.device_put(params, plan.params), plan.place_batch(batch))

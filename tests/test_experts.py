@@ -1,5 +1,6 @@
 """Expert parallelism (sharding/experts.py): the all-to-all form of the MoE layer against the
-one-device expert_ffn (both exchanges, skewed load), the tiny MoE model's loss and gradients
+one-device expert_ffn (both exchanges, skewed load), the tiny MoE model's (with an MoE MTP
+module) loss and gradients
 under ep alone, ep x fsdp x tp, ep x dp and dp x tp (no ep: every device its own tokens)
 against one device, the same over 2 processes x 4 devices (ep across them, and ep inside
 each with fsdp or dp across them), and its config errors."""
