@@ -109,38 +109,55 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
-    def num_params(self, *, embeddings: bool = True, active: bool = False) -> int:
-        """Parameter count of the decoder (MTP modules excluded); `active`: those one token
-        uses, its top_k routed experts of each MoE layer instead of all of them."""
+    def _layer_params(self, moe: bool, active: bool) -> int:
+        """One block: attention (GQA or MLA), the dense SwiGLU or, with `moe`, the router,
+        the routed experts (`active`: top_k of them) and the shared ones; two norms."""
         d, hd = self.d_model, self.resolved_head_dim
         attn = d * hd * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hd * d
         if self.mla is not None:
             attn = self.mla.num_params(d, self.n_heads)
-        layer = attn + 3 * d * self.mlp_dim + 2 * d
-        n = self.n_layers * layer + d
-        if self.moe is not None:
-            m = self.moe
-            routed = (m.top_k if active else m.num_experts) * 3 * d * m.expert_mlp_dim
-            shared = 3 * d * m.num_shared_experts * m.expert_mlp_dim
-            moe_layers = self.n_layers - m.dense_layers
-            n += moe_layers * (d * m.num_experts + routed + shared - 3 * d * self.mlp_dim)
+        if not moe:
+            return attn + 3 * d * self.mlp_dim + 2 * d
+        m = self.moe
+        routed = (m.top_k if active else m.num_experts) * 3 * d * m.expert_mlp_dim
+        shared = 3 * d * m.num_shared_experts * m.expert_mlp_dim
+        return attn + d * m.num_experts + routed + shared + 2 * d
+
+    def num_params(self, *, embeddings: bool = True, active: bool = False) -> int:
+        """Parameter count of the decoder (MTP modules excluded: `mtp_params`); `active`:
+        those one token uses, its top_k routed experts of each MoE layer instead of all."""
+        n_moe = 0 if self.moe is None else self.n_layers - self.moe.dense_layers
+        n = (self.n_layers - n_moe) * self._layer_params(False, active) + self.d_model
+        if n_moe:
+            n += n_moe * self._layer_params(True, active)
         if embeddings:
-            n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+            n += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
         return n
+
+    def mtp_params(self, *, active: bool = False) -> int:
+        """Parameters of the `mtp_depth` MTP modules (model/mtp.py): each its two input norms,
+        the projection [2d -> d], one block of the main layers' kind (MoE in an MoE model)
+        and its final norm; they share the main model's embedding and head."""
+        d = self.d_model
+        block = self._layer_params(self.moe is not None, active)
+        return self.mtp_depth * (3 * d + 2 * d * d + block)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 N_non-embedding + 12 L H D S (attention, no causal halving;
         with MLA 6 L H (D_qk + D_v) S: scores over the query-key dim, values over D_v).
 
         N counts active parameters (an MoE token runs its top_k experts only); the LM head
-        matmul is counted as part of N when embeddings are untied.
+        matmul is counted as part of N when embeddings are untied. MTP modules (trained
+        beside the model) add their active parameters and one head matmul each to N and
+        their blocks to L.
         """
-        n = self.num_params(embeddings=False, active=True)
+        n = self.num_params(embeddings=False, active=True) + self.mtp_params(active=True)
+        heads = 1 + self.mtp_depth
         if not self.tie_embeddings:
-            n += self.vocab_size * self.d_model
+            n += heads * self.vocab_size * self.d_model
         dims = (2 * self.resolved_head_dim if self.mla is None
                 else self.mla.qk_head_dim + self.mla.v_head_dim)
-        attn = 6 * self.n_layers * self.n_heads * dims * seq_len
+        attn = 6 * (self.n_layers + self.mtp_depth) * self.n_heads * dims * seq_len
         return 6 * n + attn
 
 

@@ -67,6 +67,9 @@ def test_mtp_shapes_and_losses(case):
             assert module.block.attn.q_b.kernel.shape == (24, 2, 16)
             assert module.block.mlp.gate.shape == (4, d, 16)
             assert module.block.mlp.expert_bias.shape == (4,)
+    n = lambda tree: sum(x.size for x in jax.tree.leaves(nnx.state(tree, nnx.Param)))  # noqa: E731
+    assert n(model.mtp) == cfg.model.mtp_params()  # the planner's and MFU's count
+    assert n(model) == cfg.model.num_params() + cfg.model.mtp_params()
     b, s = 3, 12
     targets = jax.random.randint(jax.random.key(1), (b, s), 0, cfg.model.vocab_size)
     inputs = jax.random.randint(jax.random.key(2), (b, s), 0, cfg.model.vocab_size)

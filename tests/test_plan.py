@@ -358,3 +358,32 @@ def test_deepseek_v3_on_paper():
     assert (a2a.count, a2a.group, a2a.link) == (6 * 4, 64, "network")
     assert a2a.bytes == 120 * 4096 * 8 * 7168 * 2  # a device's 120 sequences, 8 copies
     assert p.bound == "communication" and not p.fits
+
+
+def test_mtp_modules_add_their_training_flops():
+    """An MTP module's training FLOPs (its block, projection and head, forward and
+    backward) as the planner counts them are what one more module adds to the compiled
+    step's FLOPs (XLA's cost analysis of the loss gradient), within 15%."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxllm.model import build_model
+    from jaxllm.plan.flops import train_flops
+    from jaxllm.train.trainer import loss_fn
+
+    small = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2",
+             "model.mlp_dim=128", "model.remat=none"]
+    b, s = 2, 64
+    batch = {"inputs": jnp.zeros((b, s), jnp.int32), "targets": jnp.zeros((b, s), jnp.int32)}
+    compiled, planned = [], []
+    for depth in (0, 1):
+        m = load_config(None, small + [f"model.mtp_depth={depth}"]).model
+        graphdef, params = nnx.split(build_model(m, rngs=nnx.Rngs(0)))
+        grad = jax.jit(jax.grad(lambda p: loss_fn(graphdef, p, batch, 0.3)[0]))
+        cost = grad.lower(params).compile().cost_analysis()
+        compiled.append((cost[0] if isinstance(cost, list) else cost)["flops"])
+        planned.append(train_flops(m, b, s).hardware_per_step)
+    added = planned[1] - planned[0]
+    assert added > 0
+    assert added == pytest.approx(compiled[1] - compiled[0], rel=0.15)

@@ -13,7 +13,9 @@ layer, halved for causal masks. Two training counts are kept apart:
                     save) and the one the 1f1b pipeline schedule runs again
 
 N_active counts the parameters one token passes through: every dense layer, and with a
-`model.moe` section only its routed experts (top_k of them) and the shared ones.
+`model.moe` section only its routed experts (top_k of them) and the shared ones. Training
+adds the `model.mtp_depth` MTP modules (a block, a projection and a head matmul each; not
+rematerialised) to both counts.
 """
 from __future__ import annotations
 
@@ -109,14 +111,17 @@ def train_flops(m: ModelConfig, batch: int, seq: int, remat: str | None = None, 
     remat = remat or m.remat
     n = active_params(m) + head_params(m)
     dqk, dv = attention_dims(m)
-    model = 6 * n + 6 * m.n_layers * m.n_heads * (dqk + dv) * seq  # 12·L·H·D·S for dqk = dv
-    attn_fwd = attention_flops(m, seq, seq) / seq  # per token
+    depth = getattr(m, "mtp_depth", 0)  # MTP modules: a block, a projection and a head each
+    mtp = m.mtp_params(active=True) + depth * head_params(m) if depth else 0
+    layers = m.n_layers + depth
+    model = 6 * (n + mtp) + 6 * layers * m.n_heads * (dqk + dv) * seq  # 12·L·H·D·S, dqk = dv
+    attn_fwd = attention_flops(m, seq, seq) / seq  # per token, the main layers'
     matmul_fwd = 2 * (n - head_params(m))  # the blocks' matmuls (the head is not rematted)
     recompute = {"none": 0.0, "dots": attn_fwd + routed_expert_flops(m),
-                 "full": matmul_fwd + attn_fwd}[remat]
+                 "full": matmul_fwd + attn_fwd}[remat]  # the main stack's (MTP: not rematted)
     if pipeline == "1f1b":
         recompute += matmul_fwd + attn_fwd
-    hardware = 6 * n + 3 * attn_fwd + recompute
+    hardware = 6 * (n + mtp) + 3 * attn_fwd * layers / m.n_layers + recompute
     return TrainFlops(model, hardware, batch * seq)
 
 
