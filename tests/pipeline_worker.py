@@ -1,6 +1,7 @@
 """Runs the pipeline layouts for tests/test_pipeline.py in a fresh process.
 
     python tests/pipeline_worker.py OUT     # pp = 1 and every pipeline layout
+    python tests/pipeline_worker.py moe OUT # an MoE model: pp = 1 and its pipeline layouts
     python tests/pipeline_worker.py multihost OUT PID PORT  # one of 2 processes, 4 devices each
 
 As tests/sharding_worker.py (whose training loop it reuses): XLA without backend
@@ -50,6 +51,20 @@ LAYOUTS = {
 }
 ALONE = {"gpipe_pp2_alone": 2, "circular_pp2_v2_alone": 2, "1f1b_pp4_alone": 4}  # devices
 
+# An MoE model: one dense layer (run by the first stage), then 2 MoE layers of 4 experts,
+# top-2, one shared expert; 1 MoE layer per stage, compared with its own pp = 1 run.
+MOE = ["model.n_layers=3", "model.moe.num_experts=4", "model.moe.top_k=2",
+       "model.moe.expert_mlp_dim=32", "model.moe.num_shared_experts=1",
+       "model.moe.dense_layers=1", "model.moe.router=sigmoid"]
+MOE_LAYOUTS = {
+    "moe_aux_loss_gpipe_pp2_dp2_tp2": ["model.moe.balance=aux_loss", "parallelism.pp=2",
+                                       "parallelism.dp=2", "parallelism.tp=2",
+                                       "parallelism.pp_schedule=gpipe", "train.microbatches=2"],
+    "moe_bias_1f1b_pp2_dp2_ep2": ["model.moe.balance=bias", "parallelism.pp=2",
+                                  "parallelism.dp=2", "parallelism.ep=2",
+                                  "parallelism.pp_schedule=1f1b", "train.microbatches=2"],
+}
+
 
 def run_all(out: Path):
     import jax
@@ -74,6 +89,34 @@ def run_all(out: Path):
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
+def run_moe(out: Path):
+    """The MoE layouts, each against pp = 1 with the same balancing, into OUT/<balance>/."""
+    import jax
+    import numpy as np
+
+    from jaxllm.config import load_config
+    from jaxllm.train.trainer import sharding_plan
+
+    for balance in ("aux_loss", "bias"):  # the expert_bias leaves exist with "bias" only
+        model = MOE + [f"model.moe.balance={balance}"]
+        host_init = jax.device_get(sharding_plan(load_config(None, base.SMALL + model),
+                                                 jax.devices()[:1]).init_params())
+        sub = out / balance
+        sub.mkdir()
+        layouts = {k: v for k, v in MOE_LAYOUTS.items() if f"_{balance}_" in k}
+        results = {}
+        for name, overrides in [("single", ["parallelism.dp=1"])] + list(layouts.items()):
+            t0 = time.time()
+            try:
+                devices = jax.devices()[:1] if name == "single" else None
+                record, flat, _ = base.run_layout(model + overrides, devices, host_init)
+                np.savez(sub / f"{name}.npz", **flat)
+                results[name] = {**record, "seconds": time.time() - t0}
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+        (sub / "results.json").write_text(json.dumps(results, indent=1))
+
+
 MULTIHOST = LAYOUTS["1f1b_pp2_dp2_tp2"]  # pp, the outermost mesh axis, across the 2 hosts
 
 
@@ -83,5 +126,7 @@ if __name__ == "__main__":
         # pp spans the hosts, so each loads every batch row
         base.run_multihost(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
                            MODEL + MULTIHOST, rows=slice(None))
+    elif sys.argv[1] == "moe":
+        run_moe(Path(sys.argv[2]))
     else:
         run_all(Path(sys.argv[1]))

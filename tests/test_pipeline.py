@@ -97,6 +97,12 @@ def _plan(*overrides):
     (["parallelism.pp=2", "model.mtp_depth=1", "train.microbatches=2"],
      r"model.mtp_depth=1 with parallelism.pp=2"),
     (["train.microbatches=2"], r"with parallelism.pp=1 leave them at 1"),
+    (["parallelism.pp=2", "parallelism.pp_schedule=1f1b", "train.microbatches=2"]
+     + worker.MOE + ["model.moe.balance=aux_loss"],
+     r"model.moe.balance=aux_loss with parallelism.pp_schedule=1f1b is not supported"),
+    (["parallelism.pp=4", "train.microbatches=4"] + worker.MOE,
+     r"n_layers=3 - model.moe.dense_layers=1 = 2 MoE layers is not divisible by "
+     r"parallelism.pp=4"),
 ])
 def test_pipeline_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -138,6 +144,29 @@ def test_pipeline_trains_like_one_device(trained, name):
     """Loss, gradient norm, parameters and Adam moments after a step equal pp = 1."""
     out, results = trained
     _assert_same_training(results, out, name, out / f"{name}.npz")
+
+
+@pytest.fixture(scope="module")
+def trained_moe(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline_moe")
+    run(WORKER, "moe", out, timeout=600)
+    return out
+
+
+@pytest.mark.parametrize("name", list(worker.MOE_LAYOUTS))
+def test_moe_pipeline_trains_like_one_device(trained_moe, name):
+    """An MoE model (a dense layer, then MoE layers of 4 experts, top-2) through the
+    pipeline: loss, gradients and the state after a step equal pp = 1, and so do the
+    balancing figures made of the stats leaving the pipeline (the max/mean expert load,
+    router entropy and Switch aux loss; with balance=bias the expert_bias leaves, moved by
+    the step's expert_load, are in the compared state)."""
+    balance = "aux_loss" if "_aux_loss_" in name else "bias"
+    out = trained_moe / balance
+    results = json.loads((out / "results.json").read_text())
+    _assert_same_training(results, out, name, out / f"{name}.npz")
+    got, want = results[name], results["single"]
+    for key in ("moe_load_max", "moe_entropy", "moe_aux_loss"):
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-6, err_msg=key)
 
 
 def test_pipeline_across_two_hosts_trains_like_one_device(trained, tmp_path):

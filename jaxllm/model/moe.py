@@ -113,12 +113,20 @@ def expert_ffn(x, ids, weights, gate, up, down, *, impl: str = "auto"):
 
 def routing_stats(ids, probs, num_experts: int) -> dict:
     """Balancing statistics of one layer's routing: `load` [E] (each expert's fraction of
-    the assignments), `aux_loss` (Switch: E * sum_e load_e * mean prob_e) and `entropy`
-    (the router's mean entropy in nats)."""
+    the assignments), `prob` [E] (each expert's mean router probability), `aux_loss`
+    (Switch: E * sum_e load_e * prob_e) and `entropy` (the router's mean entropy in nats).
+    All but `aux_loss` are means over the tokens, so the means of equal-sized parts'
+    figures are the whole's (the pipeline's microbatches); `switch_loss` recomputes
+    `aux_loss` from them."""
     load = jnp.bincount(ids.reshape(-1), length=num_experts) / ids.size
-    aux = num_experts * jnp.sum(load * probs.mean(0))
+    prob = probs.mean(0)
     entropy = -jnp.sum(probs * jnp.log(probs + 1e-20), axis=-1).mean()
-    return {"load": load, "aux_loss": aux, "entropy": entropy}
+    return {"load": load, "prob": prob, "aux_loss": switch_loss(load, prob), "entropy": entropy}
+
+
+def switch_loss(load, prob):
+    """The Switch Transformer's balancing loss E * sum_e load_e * prob_e over [..., E]."""
+    return load.shape[-1] * jnp.sum(load * prob, axis=-1)
 
 
 class MoE(nnx.Module):
@@ -189,3 +197,13 @@ def moe_metrics(stats: dict) -> dict:
     over layers of max/mean expert load, the mean router entropy and aux loss."""
     return {"moe_load_max": load_max_over_mean(stats["load"]),
             "moe_entropy": stats["entropy"].mean(), "moe_aux_loss": stats["aux_loss"].mean()}
+
+
+def balance_aux(objective, stats: dict, cfg: MoEConfig) -> tuple:
+    """(objective, aux entries) with the stacked stats of the MoE layers: the logged
+    `moe_metrics`, `expert_load` [L, E] (for `update_expert_bias`), and, with
+    balance "aux_loss", aux_loss_weight x their mean aux loss added to the objective."""
+    aux = {**moe_metrics(stats), "expert_load": stats["load"]}
+    if cfg.balance == "aux_loss":
+        objective = objective + cfg.aux_loss_weight * aux["moe_aux_loss"]
+    return objective, aux

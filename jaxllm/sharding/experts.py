@@ -72,12 +72,12 @@ def expert_ffn(x, ids, weights, gate, up, down, *, local, impl: str = "auto",
     ctx = current()
     if ctx is None:
         return local(x, ids, weights, gate, up, down, impl=impl)
-    mesh = ctx.mesh
+    mesh = ctx.current_mesh()  # inside the pipeline's shard_map: pp is manual there
     ep, tp = mesh.shape["ep"], mesh.shape["tp"]
     e, f = gate.shape[0], gate.shape[2]
     check_experts(e, ep)
     if exchange is None:
-        exchange = "padded" if mesh.devices.flat[0].platform == "cpu" else "ragged"
+        exchange = "padded" if ctx.mesh.devices.flat[0].platform == "cpu" else "ragged"
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r} is unknown; one of {EXCHANGES}")
     tokens = tuple(a for a in TOKEN_AXES if mesh.shape[a] > 1)
@@ -94,10 +94,11 @@ def expert_ffn(x, ids, weights, gate, up, down, *, local, impl: str = "auto",
     else:
         body = functools.partial(_local_experts, ep=ep, impl=impl,
                                  ragged=exchange == "ragged", width_axis=width)
+    free = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # pp in the pipeline
     return jax.shard_map(body, mesh=mesh,
                          in_specs=(rows, rows, rows, P(owner, None, width),
                                    P(owner, None, width), P(owner, width, None)),
-                         out_specs=rows)(x, ids, weights, gate, up, down)
+                         out_specs=rows, axis_names=free)(x, ids, weights, gate, up, down)
 
 
 def expert_mlp(xs, gate, up, down, sizes, *, impl: str = "auto"):

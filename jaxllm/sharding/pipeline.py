@@ -28,6 +28,20 @@ of a 1F1B tick) runs under `lax.cond` / `lax.switch`, so other devices skip it.
 The batch [B, S] is cut into m microbatches of rows i, i + m, i + 2m, ... so that the
 data-parallel split of the rows is untouched; the loss is the mean over microbatches
 of their token means, equal to the full batch's mean.
+
+MoE models: the stages split the MoE stack (`blocks`, n_layers - dense_layers layers);
+the `dense_blocks` stack runs in the first stage after the embedding (its weights, like
+the embedding's, are on every pp device), so that stage has dense_layers more layers.
+Each stage's MoE layers return their routing stats per microbatch (`routing_stats`:
+token means); they are summed over the microbatches in the schedule's carry, leave the
+`shard_map` sharded over pp and are put back in layer order [L, E], and their mean over
+the microbatches (of equal token counts) is the full batch's. The Switch aux loss, a
+product of two means, is recomputed from the averaged load and probability, so the
+metrics, `expert_load` and the aux-loss objective equal one device's. gpipe and circular
+differentiate through that; 1f1b takes the stats from each microbatch's backward tick
+and gives them no cotangent, so it refuses balance=aux_loss (its gradient needs the
+whole batch's load before the first backward). Expert parallelism composes: the experts'
+own `shard_map` over the token axes (ep > 1: its all-to-all) nests inside this one.
 """
 from __future__ import annotations
 
@@ -56,10 +70,14 @@ def check_config(cfg: Config) -> None:
     if v != 1 and kind != "circular":
         raise ConfigError(f"parallelism.pp_repeats={v} (stages per device) needs "
                           f"parallelism.pp_schedule=circular, not {kind!r}")
-    if m.n_layers % (pp * v):
-        raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by parallelism.pp="
-                          f"{pp} x parallelism.pp_repeats={v} = {pp * v} stages; choose "
-                          f"n_layers, pp and pp_repeats so that it is")
+    dense = m.moe.dense_layers if m.moe is not None else 0
+    if (m.n_layers - dense) % (pp * v):
+        stack = (f"model.n_layers={m.n_layers}" if not dense else
+                 f"model.n_layers={m.n_layers} - model.moe.dense_layers={dense} = "
+                 f"{m.n_layers - dense} MoE layers")
+        raise ConfigError(f"{stack} is not divisible by parallelism.pp={pp} x "
+                          f"parallelism.pp_repeats={v} = {pp * v} stages; choose n_layers, "
+                          f"pp and pp_repeats so that it is")
     if kind == "circular" and mb % pp:
         raise ConfigError(f"train.microbatches={mb} must be a multiple of parallelism.pp={pp} "
                           f"for pp_schedule=circular (microbatches enter in groups of pp)")
@@ -79,10 +97,15 @@ def check_config(cfg: Config) -> None:
     if t.distill_from:
         raise ConfigError(f"train.distill_from with parallelism.pp={pp} is not supported; "
                           f"distil with parallelism.pp=1")
-    if m.moe is not None:
-        raise ConfigError(f"model.moe with parallelism.pp={pp} is not supported yet (the MoE "
-                          f"layers' balancing statistics do not leave the pipeline); use "
-                          f"parallelism.pp=1 (and parallelism.ep for the experts)")
+    if m.moe is not None and kind == "1f1b" and m.moe.balance == "aux_loss":
+        raise ConfigError(f"model.moe.balance=aux_loss with parallelism.pp_schedule=1f1b is "
+                          f"not supported (the loss's gradient needs the whole batch's expert "
+                          f"load before the first microbatch's backward); use "
+                          f"pp_schedule=gpipe or circular, or model.moe.balance=bias")
+
+
+def _positions(x):
+    return jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
 
 
 def schedule_of(cfg: Config) -> Schedule:
@@ -116,6 +139,7 @@ class Pipeline:
         self.remat = cfg.model.remat
         self.remat_policy = REMAT_POLICIES.get(self.remat)
         self.schedule = schedule_of(cfg)
+        self.moe = cfg.model.moe
 
     # -- the model in pieces ------------------------------------------------------------
 
@@ -123,28 +147,45 @@ class Pipeline:
         return nnx.merge(self.graphdef, {**rest, STACK: chunk})
 
     def _stage(self, chunk, rest, x):
-        """One stage: its L/(p v) layers over x (b, S, d)."""
+        """One stage: its L/(p v) layers over x (b, S, d) -> (output, MoE stats, each
+        [L/(p v), ...]; {} for a dense model)."""
         def run(chunk, rest, x):
-            positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
-            return self._model(rest, chunk).run_blocks(x, positions)[0]
+            return self._model(rest, chunk).run_blocks(x, _positions(x))
         if self.remat != "none":
             run = jax.checkpoint(run, policy=self.remat_policy)
         return run(chunk, rest, x)
 
     def _embed(self, chunk, rest, tokens):
-        return self._model(rest, chunk).embed(tokens)
+        """The first stage's start: the embedding, then the dense stack of an MoE model."""
+        model = self._model(rest, chunk)
+        x = model.embed(tokens)
+        if model.dense_blocks is not None:
+            x = model.run_blocks(x, _positions(x), model.dense_blocks)[0]
+        return x
 
     def _head_loss(self, chunk, rest, h, targets):
         return self.token_loss(self._model(rest, chunk).logits(h), targets)
 
     def _forward(self, chunk, rest, x_in, tokens, first):
-        """Stage input (the embedding on the first stage) -> stage output."""
-        x = jnp.where(first, self._embed(chunk, rest, tokens), x_in)
+        """Stage input (the embedding on the first stage) -> (stage output, MoE stats)."""
+        x = jax.lax.cond(first, lambda x: self._embed(chunk, rest, tokens), lambda x: x, x_in)
         return self._stage(chunk, rest, x)
 
-    def _activation(self, chunk, rest, tokens) -> jax.ShapeDtypeStruct:
-        """Shape and dtype of the activation passed between stages."""
+    def _shapes(self, chunk, rest, tokens):
+        """Shapes and dtypes of a stage's output (the activation passed between stages)
+        and of its MoE stats."""
         return jax.eval_shape(lambda: self._stage(chunk, rest, self._embed(chunk, rest, tokens)))
+
+    def _objective(self, loss, stats):
+        """(objective, aux) from the mean token loss and the MoE layers' stats summed over
+        the microbatches [L, ...] in layer order, as `trainer.loss_fn` gives them."""
+        if not stats:
+            return loss, {"loss": loss}
+        from jaxllm.model.moe import balance_aux, switch_loss  # the model imports sharding
+        stats = jax.tree.map(lambda x: x / self.m, stats)  # means of token means
+        stats["aux_loss"] = switch_loss(stats["load"], stats["prob"])  # not a token mean
+        objective, aux = balance_aux(loss, stats, self.moe)
+        return objective, {"loss": loss, **aux}
 
     # -- layouts around the shard_map -------------------------------------------------
 
@@ -156,6 +197,14 @@ class Pipeline:
         p, v = self.p, self.v
         return jax.tree.map(lambda x: x.reshape(v, p, -1, *x.shape[1:]).swapaxes(0, 1)
                             .reshape(x.shape), blocks)
+
+    def _to_layer_order(self, stacked):
+        """The inverse of `_to_pipeline_order`."""
+        if self.v == 1:
+            return stacked
+        p, v = self.p, self.v
+        return jax.tree.map(lambda x: x.reshape(p, v, -1, *x.shape[1:]).swapaxes(0, 1)
+                            .reshape(x.shape), stacked)
 
     def _microbatches(self, batch):
         """[B, S] -> [m, B/m, S]: microbatch i holds rows i, i + m, ..."""
@@ -192,26 +241,30 @@ class Pipeline:
             d = jax.lax.axis_index("pp")
             stages = jax.tree.map(lambda x: x.reshape(v, -1, *x.shape[1:]), blocks)
             first = jax.tree.map(lambda x: x[0], stages)
-            act = self._activation(first, rest, inputs[0])
+            act, shapes = self._shapes(first, rest, inputs[0])
 
             def tick(carry, row):
-                state, total = carry
+                state, total, acc = carry
                 mb, s = row[d, 0], row[d, 1]
-                i = jnp.maximum(mb, 0)
-                chunk = first if v == 1 else jax.tree.map(lambda x: x[jnp.maximum(s, 0) // p],
-                                                          stages)
-                y = self._forward(chunk, rest, state, inputs[i], s == 0)
+                i, r = jnp.maximum(mb, 0), jnp.maximum(s, 0) // p
+                chunk = first if v == 1 else jax.tree.map(lambda x: x[r], stages)
+                y, stats = self._forward(chunk, rest, state, inputs[i], s == 0)
                 loss = head_loss(first, rest, y, targets[i], s == last)  # reads no block
+                # this tick's stage's MoE stats, in its row r of the device's v stages
+                acc = jax.tree.map(lambda a, x: a.at[r].add(jnp.where(mb >= 0, x, 0)),
+                                   acc, stats)
                 state = jax.lax.ppermute(y, "pp", [(j, (j + 1) % p) for j in range(p)])
-                return (state, total + loss), None
+                return (state, total + loss, acc), None
 
-            init = (jnp.zeros(act.shape, act.dtype), jnp.zeros((), jnp.float32))
-            (_, total), _ = jax.lax.scan(tick, init, ticks)
-            return jax.lax.psum(total, "pp") / m
+            init = (jnp.zeros(act.shape, act.dtype), jnp.zeros((), jnp.float32),
+                    jax.tree.map(lambda x: jnp.zeros((v,) + x.shape, x.dtype), shapes))
+            (_, total, acc), _ = jax.lax.scan(tick, init, ticks)
+            acc = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), acc)  # [v L/(p v), ...]
+            return jax.lax.psum(total, "pp") / m, acc
 
         blocks = self._to_pipeline_order(params[STACK])
-        loss = self._shard_map(body, P())(blocks, rest, inputs, targets)
-        return loss, {"loss": loss}
+        loss, stats = self._shard_map(body, (P(), P("pp")))(blocks, rest, inputs, targets)
+        return self._objective(loss, self._to_layer_order(stats))
 
     # -- 1f1b: every tick by hand -------------------------------------------------------
 
@@ -225,38 +278,41 @@ class Pipeline:
         def body(blocks, rest, inputs, targets):
             d = jax.lax.axis_index("pp")
             first, last = d == 0, d == p - 1
-            act = self._activation(blocks, rest, inputs[0])
+            act, shapes = self._shapes(blocks, rest, inputs[0])
             zeros = jnp.zeros(act.shape, act.dtype)
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)
 
             def full(chunk, rest, x_in, tokens, tgt):
-                y = self._forward(chunk, rest, x_in, tokens, first)
+                y, stats = self._forward(chunk, rest, x_in, tokens, first)
                 loss = jax.lax.cond(last, lambda y: self._head_loss(chunk, rest, y, tgt),
                                     lambda y: jnp.zeros((), jnp.float32), y)
-                return y, loss
+                return (y, loss), stats
 
             def tick(carry, row):
-                acts, cots, g_blocks, g_rest, total = carry
+                acts, cots, g_blocks, g_rest, total, acc = carry
                 op, mb = row[d, 0], jnp.maximum(row[d, 1], 0)
                 x_in, dy = acts[mb % k_act], cots[mb % k_cot]
 
-                def idle(g_blocks, g_rest, total):
-                    return zeros, zeros, g_blocks, g_rest, total
+                def idle(g_blocks, g_rest, total, acc):
+                    return zeros, zeros, g_blocks, g_rest, total, acc
 
-                def forward(g_blocks, g_rest, total):
-                    y = self._forward(blocks, rest, x_in, inputs[mb], first)
-                    return y, zeros, g_blocks, g_rest, total
+                def forward(g_blocks, g_rest, total, acc):
+                    y, _ = self._forward(blocks, rest, x_in, inputs[mb], first)
+                    return y, zeros, g_blocks, g_rest, total, acc
 
-                def backward(g_blocks, g_rest, total):
-                    (_, loss), vjp = jax.vjp(lambda c, r, x: full(c, r, x, inputs[mb],
-                                                                  targets[mb]),
-                                             blocks, rest, x_in)
+                def backward(g_blocks, g_rest, total, acc):
+                    # the MoE stats come from this recomputed forward, once per microbatch
+                    # (balance aux_loss is refused with 1f1b: they need no cotangent)
+                    (_, loss), vjp, stats = jax.vjp(
+                        lambda c, r, x: full(c, r, x, inputs[mb], targets[mb]),
+                        blocks, rest, x_in, has_aux=True)
                     dy_in = jnp.where(last, jnp.zeros_like(dy), dy)
                     gc, gr, dx = vjp((dy_in, jnp.where(last, 1.0 / m, 0.0)))
-                    add = lambda a, b: jax.tree.map(jnp.add, a, b)
-                    return zeros, dx, add(g_blocks, gc), add(g_rest, gr), total + loss
+                    return (zeros, dx, add(g_blocks, gc), add(g_rest, gr), total + loss,
+                            add(acc, stats))
 
-                y, dx, g_blocks, g_rest, total = jax.lax.switch(
-                    op, [idle, forward, backward], g_blocks, g_rest, total)
+                y, dx, g_blocks, g_rest, total, acc = jax.lax.switch(
+                    op, [idle, forward, backward], g_blocks, g_rest, total, acc)
                 y = jax.lax.ppermute(y, "pp", [(j, j + 1) for j in range(p - 1)])
                 dx = jax.lax.ppermute(dx, "pp", [(j + 1, j) for j in range(p - 1)])
                 # what the neighbours just sent: store it in the microbatch's slot
@@ -266,19 +322,20 @@ class Pipeline:
                 i, j = jnp.maximum(prev[1], 0) % k_act, jnp.maximum(nxt[1], 0) % k_cot
                 acts = acts.at[i].set(jnp.where(got_act, y, acts[i]))
                 cots = cots.at[j].set(jnp.where(got_cot, dx, cots[j]))
-                return (acts, cots, g_blocks, g_rest, total), None
+                return (acts, cots, g_blocks, g_rest, total, acc), None
 
             zero_like = lambda t: jax.tree.map(jnp.zeros_like, t)
             init = (jnp.zeros((k_act,) + act.shape, act.dtype),
                     jnp.zeros((k_cot,) + act.shape, act.dtype),
-                    zero_like(blocks), zero_like(rest), jnp.zeros((), jnp.float32))
-            (_, _, g_blocks, g_rest, total), _ = jax.lax.scan(tick, init, ops)
+                    zero_like(blocks), zero_like(rest), jnp.zeros((), jnp.float32),
+                    jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+            (_, _, g_blocks, g_rest, total, acc), _ = jax.lax.scan(tick, init, ops)
             return (jax.lax.psum(total, "pp") / m, g_blocks,
-                    jax.tree.map(lambda g: jax.lax.psum(g, "pp"), g_rest))
+                    jax.tree.map(lambda g: jax.lax.psum(g, "pp"), g_rest), acc)
 
-        loss, g_blocks, g_rest = self._shard_map(body, (P(), P("pp"), P()))(
+        loss, g_blocks, g_rest, stats = self._shard_map(body, (P(), P("pp"), P(), P("pp")))(
             params[STACK], rest, inputs, targets)
-        return (loss, {"loss": loss}), {**g_rest, STACK: g_blocks}
+        return self._objective(loss, stats), {**g_rest, STACK: g_blocks}
 
     def value_and_grad(self, params, batch):
         """((loss, aux), grads) of the batch, as `jax.value_and_grad(loss_fn, has_aux=True)`."""

@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxllm.config import Config, ConfigError, load_config, save_config
 from jaxllm.model import build_model
-from jaxllm.model.moe import load_max_over_mean, moe_metrics, update_expert_bias
+from jaxllm.model.moe import balance_aux, load_max_over_mean, update_expert_bias
 from jaxllm.model.mtp import mtp_losses
 from jaxllm.sharding import ShardingPlan
 from jaxllm.sharding.memory import describe_memory, step_memory
@@ -119,9 +119,8 @@ def loss_fn(graphdef, params, batch, mtp_weight: float = 0.0):
         if moe_stats:  # an MoE model's MTP blocks are MoE layers too, after the main ones
             moe_stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), moe_stats, mtp_stats)
     if moe_stats:
-        aux.update(moe_metrics(moe_stats), expert_load=moe_stats["load"])
-        if model.cfg.moe.balance == "aux_loss":
-            objective = objective + model.cfg.moe.aux_loss_weight * aux["moe_aux_loss"]
+        objective, more = balance_aux(objective, moe_stats, model.cfg.moe)
+        aux.update(more)
     return objective, aux
 
 
@@ -134,7 +133,9 @@ def make_train_fns(cfg: Config, graphdef, plan: ShardingPlan) -> TrainFns:
                             if k in ("loss", "expert_load")}
     if cfg.parallelism.pp > 1:  # the blocks in stages over pp (1f1b: its own backward)
         pipe = Pipeline(cfg, graphdef, plan.mesh, cross_entropy)
-        value_and_grad, eval_fn = pipe.value_and_grad, lambda p, b: {"loss": pipe.loss(p, b)[0]}
+        value_and_grad = pipe.value_and_grad
+        eval_fn = lambda p, b: {k: v for k, v in pipe.loss(p, b)[1].items()
+                                if k in ("loss", "expert_load")}
 
     moe = cfg.model.moe
     bias_rate = moe.bias_update_rate if moe is not None and moe.balance == "bias" else 0.0
