@@ -26,9 +26,10 @@ from jaxllm.sharding.rules import Rules
 ROOT = Path(__file__).resolve().parents[1]
 # MoE over ep x fsdp (a dense layer, then the experts' all-to-all), without remat and
 # under dots remat (which recomputes the experts' rows) / MoE over dp x tp under dots / a
-# dense pipeline (1f1b) over dp at ZeRO-1 / MLA under full remat
+# dense pipeline (1f1b) over dp at ZeRO-1 / MoE under a 1f1b pipeline with ep (the dense
+# layer in the first stage) / MLA under full remat
 CHECKED = ["moe_ep4_fsdp2", "moe_ep4_fsdp2_dots", "moe_dp4_tp2_dots", "pp2_dp4_z1",
-           "mla_dp8_full"]
+           "moe_pp2_1f1b_ep2", "mla_dp8_full"]
 
 
 def test_planned_memory_matches_compiled_step():
@@ -300,11 +301,12 @@ def test_measured_kernel_ceilings(tmp_path):
 
 
 def test_pipeline_stages_and_experts_of_an_moe_model():
-    """With pp a device holds one stage of ceil(L / pp) layers, the busiest stage (past the
-    dense layers) that many MoE layers: its all-to-alls and its experts' rows are that
+    """With pp the stages split the MoE stack and the first, the busiest, also runs the
+    dense layers (sharding/pipeline.py): its all-to-alls and its experts' rows are that
     stage's, not the model's. 1f1b runs the stage's forward, its all-to-alls with it, again
     in the backward tick; remat "dots" reruns the routed experts' exchanges. A step reads
     (and the per-kernel model casts) the weights the device holds: its experts, over ep."""
+    from jaxllm.plan.flops import stage_layers, stage_moe_layers
     from jaxllm.plan.memory import abstract_params
 
     def moe(*over, devices=8, **kw):
@@ -324,12 +326,14 @@ def test_pipeline_stages_and_experts_of_an_moe_model():
     assert (all_to_all(one).count, all_to_all(one).bytes) == (4 * 7, 4 * row)
     assert (all_to_all(two).count, all_to_all(two).bytes) == (6 * 4, 2 * 4 * row)
     assert (all_to_all(dots).count, all_to_all(dots).bytes) == (6 * 7, 4 * row)
-    # the busiest stage is the last: four MoE layers however many dense ones come first
-    # (the parameters differ: a dense layer is not an MoE layer)
+    # 4 dense and 4 MoE layers over pp 2: the first stage runs the 4 dense layers and 2 MoE
+    # layers, whose exchanges are the device's
     four = moe("parallelism.ep=2", "parallelism.pp=2", "model.moe.dense_layers=4",
                microbatches=2)
-    assert four.train_memory.activations == two.train_memory.activations
-    assert all_to_all(four) == all_to_all(two)
+    m4 = four.cfg.model
+    assert (stage_layers(m4, 2), stage_moe_layers(m4, 2)) == (6, 2)
+    assert (stage_layers(m, 2), stage_moe_layers(m, 2)) == (5, 4)
+    assert all_to_all(four).count == 6 * 2 and all_to_all(four).bytes == all_to_all(two).bytes
     # weights read: three passes over the device's parameters, the experts' halved by ep 2
     elems = sum(np.prod(shape) / (2 if "experts" in names else 1)
                 for shape, _, names in abstract_params(m))

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from jaxllm.config import Config
-from jaxllm.plan.flops import pipeline_of, stage_moe_layers
+from jaxllm.plan.flops import pipeline_of, stage_layers, stage_moe_layers
 from jaxllm.plan.hardware import Hardware
 from jaxllm.plan.memory import DTYPE_BYTES, StateBytes, local_tokens
 from jaxllm.sharding.mesh import AXES, _host_split
@@ -104,7 +104,7 @@ def train_collectives(cfg: Config, sizes: dict[str, int], hw: Hardware,
 
     rows, seq = local_tokens(cfg, sizes, micro=micro)
     c = DTYPE_BYTES[m.dtype]
-    layers = math.ceil(m.n_layers / sizes["pp"])
+    layers = stage_layers(m, sizes["pp"])
     act = rows * seq * m.d_model * c  # one residual-stream activation per device
     # forwards a step runs of each layer: 1f1b runs the stage's again in its backward tick
     again = int(pipeline_of(cfg, sizes) == "1f1b")

@@ -54,10 +54,21 @@ def moe_layers(m: ModelConfig) -> int:
     return 0 if moe is None else m.n_layers - getattr(moe, "dense_layers", 0)
 
 
-def stage_moe_layers(m: ModelConfig, pp: int) -> int:
-    """MoE layers of the busiest pipeline stage: a stage holds ceil(L / pp) layers, and past
-    the first `dense_layers` every one is MoE (all of them with pp = 1)."""
-    return min(moe_layers(m), math.ceil(m.n_layers / pp))
+def stage_moe_layers(m: ModelConfig, pp: int, v: int = 1) -> int:
+    """MoE layers of one pipeline stage (of pp x v; all of them without pp): the pipeline
+    splits the MoE stack evenly and runs the dense layers in the first stage
+    (`sharding/pipeline.py`)."""
+    n = moe_layers(m)
+    return n if pp * v == 1 else math.ceil(n / (pp * v))
+
+
+def stage_layers(m: ModelConfig, pp: int, v: int = 1) -> int:
+    """Layers of the busiest pipeline stage (of pp x v): an MoE model's first stage holds
+    its dense layers beside its share of the MoE stack; a dense model's stages are even."""
+    n = moe_layers(m)
+    if n == 0 or pp * v == 1:
+        return math.ceil(m.n_layers / (pp * v))
+    return m.n_layers - n + stage_moe_layers(m, pp, v)
 
 
 def routed_expert_flops(m: ModelConfig) -> float:

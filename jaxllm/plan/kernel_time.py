@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from jaxllm.config import Config, ModelConfig
 from jaxllm.plan.activations import DTYPE_BYTES, heads_split, resolved_attention_impl
+from jaxllm.plan.flops import stage_layers
 from jaxllm.plan.hardware import Hardware
 
 ROUTING_KERNELS = 10  # sigmoid / softmax, group top-2, group top-k, mask, top-k, weights...
@@ -153,7 +154,7 @@ def kernel_plan(cfg: Config, sizes: dict[str, int], batches, prompt: int, contex
 
     rows, seq = local_tokens(cfg, sizes, micro=micro)
     tp, pp = sizes["tp"], sizes["pp"]
-    layers = math.ceil(cfg.model.n_layers / pp)
+    layers = stage_layers(cfg.model, pp)
     rules = Rules(tuple(sizes.items()), cfg.train.zero_stage, cfg.parallelism.sequence_parallel)
     n_params = state_bytes(cfg, rules).params / DTYPE_BYTES[cfg.model.param_dtype]
     arrays = len(abstract_params(cfg.model))

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from jaxllm.config import Config, ModelConfig
 from jaxllm.plan.activations import DTYPE_BYTES
+from jaxllm.plan.flops import stage_moe_layers
 from jaxllm.plan.kernel_time import (ROUTING_KERNELS, SORT_KERNELS, Kernel, KernelTime,
                                      attention_flops_fwd, attention_head_dims, flash_impl,
                                      heads, repeated, split)
@@ -272,7 +273,7 @@ def train_kernels(cfg: Config, rows: int, seq: int, sizes: dict[str, int] | None
     c, p = DTYPE_BYTES[m.dtype], DTYPE_BYTES[m.param_dtype]
     remat = m.remat
     L = m.n_layers if layers is None else layers
-    n_moe = 0 if m.moe is None else min(L, m.n_layers - m.moe.dense_layers)
+    n_moe = 0 if m.moe is None else min(L, stage_moe_layers(m, sizes["pp"]))
     T, d = rows * seq, m.d_model
     V = split(m.vocab_size, tp)
     X = T * d * c

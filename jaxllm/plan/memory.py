@@ -41,7 +41,7 @@ from jaxllm.config import Config, ModelConfig
 from jaxllm.plan.activations import (BACKWARD_WORKING_SET, DTYPE_BYTES, expert_bytes,
                                      experts_saved, resolved_attention_impl,
                                      ring_saved_per_token, saved_per_token)
-from jaxllm.plan.flops import stage_moe_layers
+from jaxllm.plan.flops import stage_layers, stage_moe_layers
 from jaxllm.sharding.rules import Rules
 
 __all__ = ["DTYPE_BYTES", "StateBytes", "TrainMemory", "InferenceMemory", "state_bytes",
@@ -66,6 +66,22 @@ def abstract_params(m: ModelConfig) -> tuple[tuple[tuple[int, ...], str, tuple],
     return tuple((tuple(a.shape), str(a.dtype), tuple(n)) for a, n in zip(shapes, names))
 
 
+@lru_cache(maxsize=16)
+def in_pipelined_stack(m: ModelConfig) -> tuple[bool, ...]:
+    """For each parameter of `abstract_params` (same order): whether it is a layer of the
+    stack that pp splits into stages (`sharding/pipeline.py`'s, the MoE stack of an MoE
+    model); the other stacks (an MoE model's dense layers) stay whole on every stage."""
+    import jax
+    from flax import nnx
+
+    from jaxllm.model import build_model
+    from jaxllm.sharding.pipeline import STACK
+
+    state = nnx.state(nnx.eval_shape(lambda: build_model(m, rngs=nnx.Rngs(0))))
+    paths = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+    return tuple(getattr(p[0], "key", None) == STACK for p, _ in paths)
+
+
 def _shard_elems(rules: Rules, shape, names, kind: str) -> float:
     spec = rules.param_spec(names, shape, kind)
     n = 1.0
@@ -75,10 +91,9 @@ def _shard_elems(rules: Rules, shape, names, kind: str) -> float:
     return n
 
 
-def pipeline_layer_fraction(cfg: Config, pp: int) -> float:
-    """The share of the layer stack one pipeline stage holds (1 without pp)."""
-    L = cfg.model.n_layers
-    return math.ceil(L / pp) / L
+def pipeline_layer_fraction(layers: int, pp: int) -> float:
+    """The share of a pipelined stack of `layers` that one stage holds (1 without pp)."""
+    return math.ceil(layers / pp) / layers
 
 
 @dataclass(frozen=True)
@@ -100,9 +115,11 @@ def state_bytes(cfg: Config, rules: Rules) -> StateBytes:
     the final norm are made whole (their compute layout) and reduce-scattered after.
     """
     params = grads = live = opt = unstacked = stack = stack_params = 0.0
-    layers = pipeline_layer_fraction(cfg, rules.size("pp"))
-    for shape, dtype, names in abstract_params(cfg.model):
-        itemsize = np.dtype(dtype).itemsize * (layers if "layers" in names else 1.0)
+    pp = rules.size("pp")
+    for (shape, dtype, names), split in zip(abstract_params(cfg.model),
+                                            in_pipelined_stack(cfg.model)):
+        share = pipeline_layer_fraction(shape[0], pp) if split and "layers" in names else 1.0
+        itemsize = np.dtype(dtype).itemsize * share
         shard = lambda kind: _shard_elems(rules, shape, names, kind) * itemsize
         params += shard("params")
         grads += shard("grads")
@@ -173,8 +190,8 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
         return tokens * saved_per_token(m, sizes, kv_len, impl, policy,
                                         p.sequence_parallel, moe)
 
-    layers = math.ceil(m.n_layers / sizes["pp"])
-    n_moe = stage_moe_layers(m, sizes["pp"])  # this stage's (with pp: the busiest one's)
+    layers = stage_layers(m, sizes["pp"])  # with pp: the busiest stage's
+    n_moe = stage_moe_layers(m, sizes["pp"])
     stacked = (layers - n_moe) * saved(False) + (n_moe * saved(True) if n_moe else 0.0)
     if sizes["pp"] > 1:
         acts, grads = pipeline_activations(cfg, sizes["pp"], micro, remat, stacked / layers,
@@ -232,15 +249,16 @@ def pipeline_activations(cfg: Config, pp: int, micro: int, remat: str, saved: fl
 
     m, p = cfg.model, cfg.parallelism
     v = p.pp_repeats
-    stage_layers = math.ceil(m.n_layers / (pp * v))
+    layers = stage_layers(m, pp, v)
     stage_in = DTYPE_BYTES[m.dtype] * m.d_model * tokens  # [rows, seq, d] of one microbatch
-    stage = stage_layers * saved
+    stage = layers * saved
     if p.pp_schedule == "1f1b":
         k_act, k_cot = slots(build("1f1b", pp, micro))
         if remat != "none":
             stage += saved_none
-        layer = states.stack_compute / stage_layers  # one layer's weights, whole
-        if stage_layers > 1:  # the scan's slice of them, its stacked gradients
+        scanned = stage_moe_layers(m, pp, v) or layers  # the pipelined stack's, a stage
+        layer = states.stack_compute / scanned  # one layer's weights, whole
+        if scanned > 1:  # the scan's slice of them, its stacked gradients
             tick = layer + states.grads_live - states.grads_unstacked
         else:  # the layer's weights gathered over the ZeRO axes
             tick = layer - states.stack_params
