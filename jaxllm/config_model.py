@@ -1,4 +1,5 @@
-"""The model config's sub-sections (`model.rope_scaling`, `model.mla`, `model.moe`), with the
+"""The `model:` section (`ModelConfig`: shape, attention, dtypes, kernels, parameter and FLOP
+counts) and its sub-sections (`model.rope_scaling`, `model.mla`, `model.moe`), with the
 config's error type and the small value checks every section shares.
 
 `jaxllm.config` builds these from YAML and re-exports every name here; import them from there.
@@ -20,6 +21,15 @@ def _positive(section: str, obj, names) -> None:
             raise ConfigError(f"{section}.{name}={getattr(obj, name)} must be positive")
 
 
+DType = Literal["float32", "bfloat16", "float16"]
+AttentionImpl = Literal["auto", "reference", "xla", "cudnn", "pallas_triton", "pallas_mosaic"]
+DecodeImpl = Literal["auto", "xla", "pallas_triton"]
+MatmulImpl = Literal["auto", "xla", "pallas_triton"]
+
+DTYPES = typing.get_args(DType)
+ATTENTION_IMPLS = typing.get_args(AttentionImpl)
+DECODE_IMPLS = typing.get_args(DecodeImpl)
+MATMUL_IMPLS = typing.get_args(MatmulImpl)
 GmmImpl = Literal["auto", "reference", "xla", "pallas_triton", "pallas_mosaic"]
 GMM_IMPLS = typing.get_args(GmmImpl)
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
@@ -179,3 +189,128 @@ class MoEConfig:
         if self.balance == "bias" and self.bias_update_rate == 0:
             raise ConfigError(f"{w}.balance='bias' needs {w}.bias_update_rate > 0; or choose "
                               f"balance 'none'")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 258  # the byte tokenizer: 256 bytes + BOS + EOS
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    head_dim: int | None = None  # default d_model // n_heads
+    mlp_dim: int = 512
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    attention: Literal["gqa", "mla"] = "gqa"  # mla: multi-head latent attention, model.mla
+    mla: MLAConfig | None = None
+    sliding_window: int | None = None  # attend to the last `sliding_window` keys (Mistral)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    attention_impl: AttentionImpl = "auto"
+    decode_impl: DecodeImpl = "auto"  # attention of cached decoding
+    dtype: DType = "float32"  # compute dtype of matmuls
+    param_dtype: DType = "float32"
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim of each q and k head before RoPE (Qwen3)
+    remat: Literal["none", "full", "dots"] = "full"  # per-block rematerialisation
+    max_seq_len: int = 2048  # longest sequence generation may build a cache for
+    mtp_depth: int = 0  # multi-token-prediction modules (speculative drafting)
+    init_std: float = 0.02
+    moe: MoEConfig | None = None  # mixture-of-experts feed-forward blocks
+
+    def __post_init__(self):
+        _positive("model", self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                                  "mlp_dim", "max_seq_len"))
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ConfigError(f"model.head_dim={self.head_dim} must be positive")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model.n_heads={self.n_heads} is not divisible by "
+                              f"model.n_kv_heads={self.n_kv_heads}")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by "
+                              f"model.n_heads={self.n_heads}; set model.head_dim explicitly")
+        if self.resolved_head_dim % 2:
+            raise ConfigError(f"head_dim={self.resolved_head_dim} must be even for rotary "
+                              f"embeddings")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"model.rope_theta={self.rope_theta} must be positive")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"model.sliding_window={self.sliding_window} must be positive "
+                              f"(or null for full attention)")
+        if self.mtp_depth < 0:
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth} must be >= 0")
+        if (self.attention == "mla") != (self.mla is not None):
+            raise ConfigError(f"model.attention={self.attention!r} "
+                              + ("needs a model.mla section (kv_lora_rank, qk_nope_head_dim, "
+                                 "qk_rope_head_dim, v_head_dim)" if self.mla is None else
+                                 "takes no model.mla section; set model.attention=mla or "
+                                 "delete model.mla"))
+        if self.mla is not None:
+            unused = [f"{n}={getattr(self, n)}" for n, off in (
+                ("n_kv_heads", self.n_heads), ("head_dim", None), ("qkv_bias", False),
+                ("qk_norm", False), ("sliding_window", None)) if getattr(self, n) != off]
+            if unused:
+                raise ConfigError(f"model.attention='mla' sets its own head shapes (model.mla) "
+                                  f"and takes no {', '.join(unused)}: set n_kv_heads = n_heads"
+                                  f" and leave the others unset")
+
+        if self.moe is not None and self.moe.dense_layers >= self.n_layers:
+            raise ConfigError(f"model.moe.dense_layers={self.moe.dense_layers} leaves no MoE "
+                              f"layer of model.n_layers={self.n_layers}; lower it or drop "
+                              f"model.moe")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def _layer_params(self, moe: bool, active: bool) -> int:
+        """One block: attention (GQA or MLA), the dense SwiGLU or, with `moe`, the router,
+        the routed experts (`active`: top_k of them) and the shared ones; two norms."""
+        d, hd = self.d_model, self.resolved_head_dim
+        attn = d * hd * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hd * d
+        if self.mla is not None:
+            attn = self.mla.num_params(d, self.n_heads)
+        if not moe:
+            return attn + 3 * d * self.mlp_dim + 2 * d
+        m = self.moe
+        routed = (m.top_k if active else m.num_experts) * 3 * d * m.expert_mlp_dim
+        shared = 3 * d * m.num_shared_experts * m.expert_mlp_dim
+        return attn + d * m.num_experts + routed + shared + 2 * d
+
+    def num_params(self, *, embeddings: bool = True, active: bool = False) -> int:
+        """Parameter count of the decoder (MTP modules excluded: `mtp_params`); `active`:
+        those one token uses, its top_k routed experts of each MoE layer instead of all."""
+        n_moe = 0 if self.moe is None else self.n_layers - self.moe.dense_layers
+        n = (self.n_layers - n_moe) * self._layer_params(False, active) + self.d_model
+        if n_moe:
+            n += n_moe * self._layer_params(True, active)
+        if embeddings:
+            n += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        return n
+
+    def mtp_params(self, *, active: bool = False) -> int:
+        """Parameters of the `mtp_depth` MTP modules (model/mtp.py): each its two input norms,
+        the projection [2d -> d], one block of the main layers' kind (MoE in an MoE model)
+        and its final norm; they share the main model's embedding and head."""
+        d = self.d_model
+        block = self._layer_params(self.moe is not None, active)
+        return self.mtp_depth * (3 * d + 2 * d * d + block)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 N_non-embedding + 12 L H D S (attention, no causal halving;
+        with MLA 6 L H (D_qk + D_v) S: scores over the query-key dim, values over D_v).
+
+        N counts active parameters (an MoE token runs its top_k experts only); the LM head
+        matmul is counted as part of N when embeddings are untied. MTP modules (trained
+        beside the model) add their active parameters and one head matmul each to N and
+        their blocks to L.
+        """
+        n = self.num_params(embeddings=False, active=True) + self.mtp_params(active=True)
+        heads = 1 + self.mtp_depth
+        if not self.tie_embeddings:
+            n += heads * self.vocab_size * self.d_model
+        dims = (2 * self.resolved_head_dim if self.mla is None
+                else self.mla.qk_head_dim + self.mla.v_head_dim)
+        attn = 6 * (self.n_layers + self.mtp_depth) * self.n_heads * dims * seq_len
+        return 6 * n + attn
