@@ -48,7 +48,6 @@ wgmma included, is the code that runs on the GPU.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -282,28 +281,15 @@ def _gmm(lhs, rhs, group_sizes, out_dtype, *, trans_rhs: bool, bs: BlockSizes,
 # ----------------------------------------------------------------- public API
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _grouped(lhs, rhs, group_sizes, out_dtype, bs, interpret):
-    return _gmm(lhs, rhs, group_sizes, out_dtype, trans_rhs=False, bs=bs, interpret=interpret)
-
-
-def _grouped_fwd(lhs, rhs, group_sizes, out_dtype, bs, interpret):
-    out = _gmm(lhs, rhs, group_sizes, out_dtype, trans_rhs=False, bs=bs, interpret=interpret)
-    return out, (lhs, rhs, group_sizes)
-
-
-def _grouped_bwd(out_dtype, bs, interpret, res, dout):
-    lhs, rhs, group_sizes = res
-    dout = dout.astype(lhs.dtype)  # the products run in the inputs' dtype
-    dlhs = _gmm(dout, rhs, group_sizes, lhs.dtype, trans_rhs=True, bs=bs, interpret=interpret)
-    # d rhs: gmm_triton's transposed kernel (no Mosaic one yet)
+def _drhs(lhs, dout, group_sizes, rhs, bs, interpret):
+    """d rhs: gmm_triton's transposed kernel at its own default tiles (no Mosaic one yet)."""
+    del bs
     tbs = gmm_triton.default_block_sizes(jnp.dtype(lhs.dtype).itemsize)
-    drhs = gmm_triton._tgmm(lhs, dout, group_sizes, rhs.shape[0], rhs.dtype, bs=tbs,
+    return gmm_triton._tgmm(lhs, dout, group_sizes, rhs.shape[0], rhs.dtype, bs=tbs,
                             interpret=interpret)
-    return dlhs, drhs, None
 
 
-_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+_grouped = gmm_triton.differentiable(_gmm, _drhs)
 
 
 def unsupported_reason(lhs, rhs, group_sizes) -> str | None:
@@ -324,11 +310,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None,
 
     kwargs: `block_sizes=BlockSizes(...)` and/or any of its fields (e.g. block_n=128).
     """
-    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
-        raise ValueError(f"grouped_matmul wants lhs [M, K] and rhs [G, K, N]; got "
-                         f"lhs{lhs.shape} rhs{rhs.shape}")
-    if lhs.dtype != rhs.dtype:
-        raise ValueError(f"lhs and rhs dtypes differ: {lhs.dtype}, {rhs.dtype}")
+    gmm_triton.check_operands(lhs, rhs)
     why = unsupported_reason(lhs, rhs, group_sizes)
     if why:
         raise ValueError(f"pallas_mosaic grouped_matmul cannot take {why}; use "

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -280,32 +281,47 @@ def _tgmm(lhs, dout, group_sizes, num_groups: int, out_dtype, *, bs: BlockSizes,
 # ----------------------------------------------------------------- public API
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _grouped(lhs, rhs, group_sizes, out_dtype, bs, interpret):
-    return _gmm(lhs, rhs, group_sizes, out_dtype, trans_rhs=False, bs=bs, interpret=interpret)
+def differentiable(gmm: Callable, drhs: Callable) -> Callable:
+    """The differentiable grouped matmul (lhs, rhs, group_sizes, out_dtype, bs, interpret)
+    of a kernel module: `gmm(lhs, rhs, group_sizes, out_dtype, trans_rhs=, bs=, interpret=)`
+    runs the forward and, reading rhs transposed, d lhs; `drhs(lhs, dout, group_sizes, rhs,
+    bs, interpret)` d rhs. The products of the backward run in the inputs' dtype."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+    def grouped(lhs, rhs, group_sizes, out_dtype, bs, interpret):
+        return gmm(lhs, rhs, group_sizes, out_dtype, trans_rhs=False, bs=bs,
+                   interpret=interpret)
+
+    def fwd(lhs, rhs, group_sizes, out_dtype, bs, interpret):
+        return grouped(lhs, rhs, group_sizes, out_dtype, bs, interpret), (lhs, rhs, group_sizes)
+
+    def bwd(out_dtype, bs, interpret, res, dout):
+        lhs, rhs, group_sizes = res
+        dout = dout.astype(lhs.dtype)
+        dlhs = gmm(dout, rhs, group_sizes, lhs.dtype, trans_rhs=True, bs=bs,
+                   interpret=interpret)
+        return dlhs, drhs(lhs, dout, group_sizes, rhs, bs, interpret), None
+
+    grouped.defvjp(fwd, bwd)
+    return grouped
 
 
-def _grouped_fwd(lhs, rhs, group_sizes, out_dtype, bs, interpret):
-    out = _gmm(lhs, rhs, group_sizes, out_dtype, trans_rhs=False, bs=bs, interpret=interpret)
-    return out, (lhs, rhs, group_sizes)
-
-
-def _grouped_bwd(out_dtype, bs, interpret, res, dout):
-    lhs, rhs, group_sizes = res
-    dout = dout.astype(lhs.dtype)  # the products run in the inputs' dtype
-    dlhs = _gmm(dout, rhs, group_sizes, lhs.dtype, trans_rhs=True, bs=bs,
-                interpret=interpret)
-    drhs = _tgmm(lhs, dout, group_sizes, rhs.shape[0], rhs.dtype, bs=bs, interpret=interpret)
-    return dlhs, drhs, None
-
-
-_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+_grouped = differentiable(_gmm, lambda lhs, dout, group_sizes, rhs, bs, interpret: _tgmm(
+    lhs, dout, group_sizes, rhs.shape[0], rhs.dtype, bs=bs, interpret=interpret))
 
 
 def unsupported_reason(lhs, rhs, group_sizes) -> str | None:
     """Why the kernels cannot take lhs [M, K], rhs [G, K, N] (None if they can)."""
     del group_sizes
     return shape_reason(lhs, rhs, DTYPES, MIN_BLOCK, "the contracted dims")
+
+
+def check_operands(lhs, rhs) -> None:
+    """lhs [M, K] and rhs [G, K, N] of one dtype, else a ValueError saying what came."""
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"grouped_matmul wants lhs [M, K] and rhs [G, K, N]; got "
+                         f"lhs{lhs.shape} rhs{rhs.shape}")
+    if lhs.dtype != rhs.dtype:
+        raise ValueError(f"lhs and rhs dtypes differ: {lhs.dtype}, {rhs.dtype}")
 
 
 def shape_reason(lhs, rhs, dtypes, multiple: int, why: str) -> str | None:
@@ -348,11 +364,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None,
 
     kwargs: `block_sizes=BlockSizes(...)` and/or any of its fields (e.g. block_m=64).
     """
-    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
-        raise ValueError(f"grouped_matmul wants lhs [M, K] and rhs [G, K, N]; got "
-                         f"lhs{lhs.shape} rhs{rhs.shape}")
-    if lhs.dtype != rhs.dtype:
-        raise ValueError(f"lhs and rhs dtypes differ: {lhs.dtype}, {rhs.dtype}")
+    check_operands(lhs, rhs)
     why = unsupported_reason(lhs, rhs, group_sizes)
     if why:
         raise ValueError(f"pallas_triton grouped_matmul cannot take {why}; use impl='xla'")
