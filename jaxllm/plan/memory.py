@@ -52,15 +52,24 @@ __all__ = ["DTYPE_BYTES", "StateBytes", "TrainMemory", "InferenceMemory", "state
 # -- model states --------------------------------------------------------------------------
 
 @lru_cache(maxsize=16)
+def _abstract_state(m: ModelConfig):
+    """The model's parameters traced abstractly (shapes, no arrays), once per config."""
+    from flax import nnx
+
+    from jaxllm.model import build_model
+
+    return nnx.state(nnx.eval_shape(lambda: build_model(m, rngs=nnx.Rngs(0))))
+
+
+@lru_cache(maxsize=16)
 def abstract_params(m: ModelConfig) -> tuple[tuple[tuple[int, ...], str, tuple], ...]:
     """(shape, dtype, logical axes) of every parameter, from the model traced abstractly."""
     import jax
     from flax import nnx
 
-    from jaxllm.model import build_model
     from jaxllm.sharding.plan import logical_axes
 
-    state = nnx.state(nnx.eval_shape(lambda: build_model(m, rngs=nnx.Rngs(0))))
+    state = _abstract_state(m)
     shapes = jax.tree.leaves(nnx.to_pure_dict(state))
     names = jax.tree.leaves(logical_axes(state), is_leaf=lambda x: isinstance(x, tuple))
     return tuple((tuple(a.shape), str(a.dtype), tuple(n)) for a, n in zip(shapes, names))
@@ -74,11 +83,9 @@ def in_pipelined_stack(m: ModelConfig) -> tuple[bool, ...]:
     import jax
     from flax import nnx
 
-    from jaxllm.model import build_model
     from jaxllm.sharding.pipeline import STACK
 
-    state = nnx.state(nnx.eval_shape(lambda: build_model(m, rngs=nnx.Rngs(0))))
-    paths = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+    paths = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(_abstract_state(m)))[0]
     return tuple(getattr(p[0], "key", None) == STACK for p, _ in paths)
 
 
