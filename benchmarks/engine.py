@@ -274,8 +274,9 @@ def static(params, prompts, outputs, batch: int) -> dict:
 def prefix_ttft(engine: Engine, cfg, prefix_len: int, n: int, caching: bool) -> dict:
     """Requests sharing a prefix, one at a time, through the engine (its compiled steps)
     with a fresh scheduler, prefix caching on or off: median TTFT, and the engine's counters
-    over the call that returns the first token (its dispatches: the first step's and, while
-    the device runs it, the next one's; the wait for the device; the output work)."""
+    over the call that returns the first token (its dispatch: from idle the step that
+    samples the first token is read before the next is dispatched; the wait for the device;
+    the output work)."""
     fresh_scheduler(engine, prefix_caching=caching)
     rng = np.random.default_rng(1)
     prefix = rng.integers(0, min(cfg.model.vocab_size, 32000), prefix_len).tolist()

@@ -82,6 +82,25 @@ LAYOUTS = [(4, 24, 4, 16, True, 4),  # a small pool: preemptions
            (16, 12, 3, 20, True, 8)]
 
 
+def test_an_idle_engine_reads_its_first_tokens_before_the_next_dispatch(setup, prompts, alone):
+    """From idle, the step that samples a request's first token is read before another is
+    dispatched (TTFT waits for one dispatch); while requests decode, the next step is
+    dispatched before the last one's tokens are read."""
+    engine = _engine(setup, page_size=8, num_pages=64, max_num_seqs=4,
+                     max_num_batched_tokens=16, decode_window=1)
+    for i in (-2, -1):  # 33 and 47 tokens: three prefill chunks each; the second from idle again
+        rid, base = engine.add_request(prompts[i], GREEDY), engine.totals["steps"]
+        steps, tokens = [], []  # steps dispatched when each token came out
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == rid:
+                    steps += [engine.totals["steps"] - base] * len(o.new_token_ids)
+                    tokens += o.new_token_ids
+        assert steps[:3] == [3, 5, 6]  # the first token with nothing dispatched after it
+        assert tokens == alone[i]
+        _all_free(engine)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"page{x[0]}-pool{x[1]}-w{x[5]}")
 def test_greedy_equals_generate_alone(setup, prompts, alone, layout):
     page, pages, seqs, budget, prefix, window = layout

@@ -126,6 +126,7 @@ class Engine:
         self._live: dict[str, _Live] = {}
         self._sampling = 0  # live requests that sample or hold stop ids back (min_tokens)
         self._inflight = None  # (scheduled, sampled tokens on the device) of the last step
+        self._idle = True  # the device ran dry and has produced no token since
         self._numbers = itertools.count()
         # host seconds scheduling + dispatching (call_s: in the compiled call), waiting for
         # the device, and processing outputs
@@ -205,14 +206,24 @@ class Engine:
         Steps overlap with the host: the next step is scheduled and dispatched before this
         one's tokens are read (a decode row takes its input token from the device), so the
         host's scheduling and output work runs while the device computes. A request that
-        stops at a step has one more (discarded) row in the step already dispatched."""
+        stops at a step has one more (discarded) row in the step already dispatched.
+        After the device ran dry, the first step that samples tokens is read before the
+        next one is dispatched: an idle engine's first tokens (its TTFT) wait for one
+        dispatch, not two."""
         if self._inflight is None:
             self._inflight = self._dispatch()
             if self._inflight is None:
+                self._idle = True
                 return []
+        if self._idle and self._inflight[0].sample.any():
+            self._idle = False
+            inflight, self._inflight = self._inflight, None
+            return self._collect(*inflight)
         nxt = self._dispatch()
         outputs = self._collect(*self._inflight)
         self._inflight = nxt
+        if nxt is None:
+            self._idle = True
         return outputs
 
     def _dispatch(self):
