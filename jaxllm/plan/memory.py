@@ -20,7 +20,8 @@ Training, per device, with local tokens T = (B / (dp·fsdp·ep) / microbatches) 
                  (`BACKWARD_WORKING_SET`), with cp the ring's blocks, with MoE layers the
                  experts' rows (every layer's without remat, the differentiated layer's
                  under "dots" and "full"), with pp what the schedule keeps
-                 (`pipeline_activations`)
+                 (`pipeline_activations`; an MoE model under gpipe or circular,
+                 `mirrored_moe_activations`)
     logits       f32 [T, V/tp] logits, their exponentials kept for the backward, and the
                  gradient of the logits
 
