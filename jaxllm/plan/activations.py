@@ -122,6 +122,22 @@ def experts_saved(remat: str) -> bool:
     return remat == "none"
 
 
+def _expert_width(m: ModelConfig, tp: int) -> float:
+    """One routed expert's hidden width on a device: split over tp where it divides."""
+    f = m.moe.expert_mlp_dim
+    return f / tp if f % tp == 0 else f
+
+
+def expert_weight_slices(m: ModelConfig, sizes: dict[str, int]) -> float:
+    """Bytes of one MoE layer's local experts' weights as the layer's scan sliced them,
+    which its backward keeps when a device holds several experts (part of `expert_bytes`'
+    saved); none with one local expert."""
+    local = m.moe.num_experts / sizes["ep"]
+    if local <= 1:
+        return 0.0
+    return 3 * local * m.d_model * _expert_width(m, sizes["tp"]) * DTYPE_BYTES[m.param_dtype]
+
+
 def expert_bytes(m: ModelConfig, sizes: dict[str, int], tokens: float,
                  platform: str) -> tuple[float, float]:
     """(saved, backward) bytes of one MoE layer's routed experts on one device.
@@ -138,16 +154,13 @@ def expert_bytes(m: ModelConfig, sizes: dict[str, int], tokens: float,
     into [G, R, K]: three such copies and a relayout of [R, d] at once; a kernel reads
     the rows in place (G counts as 1)."""
     c, moe, d = DTYPE_BYTES[m.dtype], m.moe, m.d_model
-    p = DTYPE_BYTES[m.param_dtype]
-    ep, tp = sizes["ep"], sizes["tp"]
-    f = moe.expert_mlp_dim / tp if moe.expert_mlp_dim % tp == 0 else moe.expert_mlp_dim
+    ep = sizes["ep"]
+    f = _expert_width(m, sizes["tp"])
     assigned = tokens * moe.top_k
     rows = ep * assigned
     local = moe.num_experts / ep
     g = local if platform == "cpu" else 1
-    saved = c * rows * (d + 6 * f)
-    if local > 1:
-        saved += 3 * local * d * f * p
+    saved = c * rows * (d + 6 * f) + expert_weight_slices(m, sizes)
     if ep > 1 and platform == "cpu":
         saved += rows * d
     backward = c * d * (2 * rows + assigned) + c * g * rows * (4 * d + f)

@@ -20,7 +20,8 @@ Training, per device, with local tokens T = (B / (dp·fsdp·ep) / microbatches) 
                  (`BACKWARD_WORKING_SET`), with cp the ring's blocks, with MoE layers the
                  experts' rows (every layer's without remat, the differentiated layer's
                  under "dots" and "full"), with pp what the schedule keeps
-                 (`pipeline_activations`)
+                 (`pipeline_activations`; an MoE model under gpipe or circular,
+                 `mirrored_moe_activations`)
     logits       f32 [T, V/tp] logits, their exponentials kept for the backward, and the
                  gradient of the logits
 
@@ -34,12 +35,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 import numpy as np
 
 from jaxllm.config import Config, ModelConfig
 from jaxllm.plan.activations import (BACKWARD_WORKING_SET, DTYPE_BYTES, expert_bytes,
-                                     experts_saved, resolved_attention_impl,
+                                     expert_weight_slices, experts_saved,
+                                     resolved_attention_impl,
                                      ring_saved_per_token, saved_per_token)
 from jaxllm.plan.flops import stage_layers, stage_moe_layers
 from jaxllm.sharding.rules import Rules
@@ -112,6 +115,7 @@ class StateBytes:
     opt_state: float
     stack_compute: float = 0.0  # the layer stack's parameters in the compute layout
     stack_params: float = 0.0  # the layer stack's parameters in their own layout
+    unpipelined_stack: float = 0.0  # in the compute layout, of the stacks pp leaves whole
 
 
 def state_bytes(cfg: Config, rules: Rules) -> StateBytes:
@@ -121,7 +125,7 @@ def state_bytes(cfg: Config, rules: Rules) -> StateBytes:
     layer by layer, each summed straight into its ZeRO layout; the embedding, the head and
     the final norm are made whole (their compute layout) and reduce-scattered after.
     """
-    params = grads = live = opt = unstacked = stack = stack_params = 0.0
+    params = grads = live = opt = unstacked = stack = stack_params = whole = 0.0
     pp = rules.size("pp")
     for (shape, dtype, names), split in zip(abstract_params(cfg.model),
                                             in_pipelined_stack(cfg.model)):
@@ -134,8 +138,9 @@ def state_bytes(cfg: Config, rules: Rules) -> StateBytes:
         unstacked += 0.0 if "layers" in names else shard("compute")
         stack += shard("compute") if "layers" in names else 0.0
         stack_params += shard("params") if "layers" in names else 0.0
+        whole += shard("compute") if "layers" in names and not split else 0.0
         opt += 2 * shard("opt_state")
-    return StateBytes(params, grads, live, unstacked, opt, stack, stack_params)
+    return StateBytes(params, grads, live, unstacked, opt, stack, stack_params, whole)
 
 
 # -- training -------------------------------------------------------------------------------
@@ -200,6 +205,13 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
     layers = stage_layers(m, sizes["pp"])  # with pp: the busiest stage's
     n_moe = stage_moe_layers(m, sizes["pp"])
     stacked = (layers - n_moe) * saved(False) + (n_moe * saved(True) if n_moe else 0.0)
+    batch_bytes = 2 * 4 * rows * seq * micro
+    if sizes["pp"] > 1 and n_moe and p.pp_schedule != "1f1b":
+        # its peak is the backward at the experts, the logits gone
+        acts = mirrored_moe_activations(cfg, sizes, micro, remat, tokens, states, saved,
+                                        platform)
+        return TrainMemory(states.params, states.opt_state, states.grads_live, acts, 0.0,
+                           batch_bytes)
     if sizes["pp"] > 1:
         acts, grads = pipeline_activations(cfg, sizes["pp"], micro, remat, stacked / layers,
                                            saved(bool(n_moe), "none"), tokens, states)
@@ -215,7 +227,6 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
         acts += layers * tokens * ring_saved_per_token(m, sizes)
     vocab = m.vocab_size / (sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else 1)
     logits = 3 * 4 * tokens * vocab
-    batch_bytes = 2 * 4 * rows * seq * micro
     if n_moe:
         e_saved, e_backward = expert_bytes(m, sizes, tokens, platform)
         kept = experts_saved(remat)
@@ -278,6 +289,45 @@ def pipeline_activations(cfg: Config, pp: int, micro: int, remat: str, saved: fl
     acts = (ticks * per_tick + (stage if remat != "none" else 0.0)
             + BACKWARD_WORKING_SET[remat] * saved_none)
     return acts, states.grads_live + 3 * states.grads_unstacked
+
+
+def mirrored_moe_activations(cfg: Config, sizes: dict[str, int], micro: int, remat: str,
+                             tokens: float, states: StateBytes, saved: Callable,
+                             platform: str) -> float:
+    """Activations of an MoE model's gpipe or circular stage at its peak, the first
+    backward tick at the last MoE layer's experts (`saved(moe, policy)`: one layer's
+    saved bytes for one microbatch).
+
+    Autodiff of the scan over the v m + p - 1 forward ticks keeps per tick the stage's
+    input and output and, without remat, its MoE layers' activations and experts' rows.
+    The first stage embeds and runs the dense layers under `lax.cond`, whose residuals are
+    those of its taken branch on every device and tick: the dense layers' activations
+    under the model's remat and their weights as the dense stack's scan sliced them (the
+    MoE stack's weights are the ticks' loop invariant, taken once). Beside the ticks: the
+    local experts' weight slices, the experts' backward buffers, the layer's working set,
+    and the dense layers' backward under the cond, their weights' gradients twice (the
+    branch's and the cond's) and their working set."""
+    m, v = cfg.model, cfg.parallelism.pp_repeats
+    n_moe = stage_moe_layers(m, sizes["pp"], v)
+    n_dense = stage_layers(m, sizes["pp"], v) - n_moe
+    ticks = v * micro + sizes["pp"] - 1
+    stage_in = DTYPE_BYTES[m.dtype] * m.d_model * tokens
+    e_saved, e_backward = expert_bytes(m, sizes, tokens, platform)
+    slices = expert_weight_slices(m, sizes)
+    dense_w = states.unpipelined_stack
+    per_tick = 2 * stage_in + n_dense * saved(False, remat) + dense_w
+    if remat == "none":
+        per_tick += n_moe * (saved(True, "none") + e_saved - slices)
+    if v > 1:  # each tick slices its stage of the MoE stack
+        per_tick += (states.stack_compute - dense_w) / v
+    at_experts = e_backward + BACKWARD_WORKING_SET["none"] * saved(True, "none")
+    if remat == "none":
+        at_experts += n_moe * slices
+    else:  # the stage recomputed, its last MoE layer's experts among it
+        at_experts += n_moe * saved(True, remat) + e_saved
+    dense_backward = (2 * dense_w
+                      + n_dense * BACKWARD_WORKING_SET["none"] * saved(False, "none"))
+    return ticks * per_tick + at_experts + dense_backward
 
 
 # -- inference ---------------------------------------------------------------------------------
