@@ -16,8 +16,8 @@ head are the main model's. This is DeepSeek-V3's MTP layer as its checkpoints st
 (enorm, hnorm, eh_proj over [embedding; hidden], a decoder layer, shared_head.norm), so
 hf/deepseek.py maps it one to one. Training adds `train.mtp_weight` x the mean of the D
 losses (`mtp_losses`, `mtp_objective`); with pp > 1 the modules run on the last pipeline
-stage, beside the head (sharding/pipeline.py); decoding uses the chain of modules as a drafter for speculative
-decoding (inference/speculative.py).
+stage, beside the head (sharding/pipeline.py). Decoding uses the chain of modules as a
+drafter for speculative decoding (inference/speculative.py).
 """
 from __future__ import annotations
 

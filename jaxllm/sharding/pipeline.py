@@ -39,13 +39,13 @@ Each stage's MoE layers return their routing stats per microbatch (`routing_stat
 token means); they are summed over the microbatches in the schedule's carry, leave the
 `shard_map` sharded over pp and are put back in layer order [L, E], and their mean over
 the microbatches (of equal token counts) is the full batch's; the MTP blocks' follow
-them, [L + D, E], as in `trainer.loss_fn`. The Switch aux loss, a
-product of two means, is recomputed from the averaged load and probability, so the
-metrics, `expert_load` and the aux-loss objective equal one device's. gpipe and circular
-differentiate through that; 1f1b takes the stats from each microbatch's backward tick
-and gives them no cotangent, so it refuses balance=aux_loss (its gradient needs the
-whole batch's load before the first backward). Expert parallelism composes: the experts'
-own `shard_map` over the token axes (ep > 1: its all-to-all) nests inside this one.
+them, [L + D, E], as in `trainer.loss_fn`. The Switch aux loss, a product of two means,
+is recomputed from the averaged load and probability, so the metrics, `expert_load` and
+the aux-loss objective equal one device's. gpipe and circular differentiate through
+that; 1f1b takes the stats from each microbatch's backward tick and gives them no
+cotangent, so it refuses balance=aux_loss (its gradient needs the whole batch's load
+before the first backward). Expert parallelism composes: the experts' own `shard_map`
+over the token axes (ep > 1: its all-to-all) nests inside this one.
 """
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ class Pipeline:
         self.remat_policy = REMAT_POLICIES.get(self.remat)
         self.schedule = schedule_of(cfg)
         self.moe = cfg.model.moe
-        self.mtp_weight = cfg.train.mtp_weight if cfg.model.mtp_depth else 0.0
+        self.mtp_weight = cfg.train.mtp_weight
 
     # -- the model in pieces ------------------------------------------------------------
 
@@ -261,11 +261,12 @@ class Pipeline:
         p, v, m = self.p, self.v, self.m
         last = p * v - 1
 
-        # What autodiff keeps of a tick is stacked over all ticks. So the head's loss runs
-        # under one checkpoint around its lax.cond (whose residuals, the head's weights
-        # among them, would be kept per tick), and with one stage per device the stage's
-        # weights are taken once, outside the ticks; with v stages per device each tick
-        # slices its stage, and that slice is kept per tick (docs/experiments.md).
+        # What autodiff keeps of a tick is stacked over all ticks. So the head's loss (and
+        # the MTP modules') runs under one checkpoint around its lax.cond (whose residuals,
+        # the head's weights among them, would be kept per tick), and with one stage per
+        # device the stage's weights are taken once, outside the ticks; with v stages per
+        # device each tick slices its stage, and that slice is kept per tick
+        # (docs/experiments.md).
         head = jax.checkpoint(self._head_or_zeros)
 
         def body(blocks, rest, inputs, targets):
@@ -338,7 +339,7 @@ class Pipeline:
                 def backward(g_blocks, g_rest, total, acc):
                     # the MoE stats come from this recomputed forward, once per microbatch
                     # (balance aux_loss is refused with 1f1b: they need no cotangent)
-                    (_, _), vjp, (stats, out) = jax.vjp(
+                    _, vjp, (stats, out) = jax.vjp(
                         lambda c, r, x: full(c, r, x, inputs[mb], targets[mb]),
                         blocks, rest, x_in, has_aux=True)
                     dy_in = jnp.where(last, jnp.zeros_like(dy), dy)
