@@ -2,6 +2,7 @@
 
     python tests/pipeline_worker.py OUT     # pp = 1 and every pipeline layout
     python tests/pipeline_worker.py moe OUT # an MoE model: pp = 1 and its pipeline layouts
+    python tests/pipeline_worker.py mtp OUT # models with MTP modules: pp = 1 and pipelines
     python tests/pipeline_worker.py multihost OUT PID PORT  # one of 2 processes, 4 devices each
 
 As tests/sharding_worker.py (whose training loop it reuses): XLA without backend
@@ -65,6 +66,24 @@ MOE_LAYOUTS = {
                                   "parallelism.pp_schedule=1f1b", "train.microbatches=2"],
 }
 
+# Models with MTP modules, each compared with its own pp = 1 run: a dense one of 4 layers
+# and 2 modules (mtp_weight 0.5, so the objective's MTP share differs from its default),
+# and the MoE model above with one module (an MoE block, whose routing stats follow the
+# main layers' and whose expert_bias moves with them).
+MTP_MODELS = {
+    "dense": ["model.n_layers=4", "model.mtp_depth=2", "train.mtp_weight=0.5"],
+    "moe": MOE + ["model.moe.balance=bias", "model.mtp_depth=1"],
+}
+MTP_LAYOUTS = {
+    "dense_mtp_gpipe_pp2_dp2_tp2": ["parallelism.pp=2", "parallelism.dp=2", "parallelism.tp=2",
+                                    "parallelism.pp_schedule=gpipe", "train.microbatches=2"],
+    "dense_mtp_circular_pp2_v2_dp4": ["parallelism.pp=2", "parallelism.dp=4",
+                                      "parallelism.pp_schedule=circular",
+                                      "parallelism.pp_repeats=2", "train.microbatches=2"],
+    "moe_mtp_1f1b_pp2_dp2_ep2": ["parallelism.pp=2", "parallelism.dp=2", "parallelism.ep=2",
+                                 "parallelism.pp_schedule=1f1b", "train.microbatches=2"],
+}
+
 
 def run_all(out: Path):
     import jax
@@ -117,6 +136,33 @@ def run_moe(out: Path):
         (sub / "results.json").write_text(json.dumps(results, indent=1))
 
 
+def run_mtp(out: Path):
+    """The MTP layouts, each against pp = 1 of its model, into OUT/<model>/."""
+    import jax
+    import numpy as np
+
+    from jaxllm.config import load_config
+    from jaxllm.train.trainer import sharding_plan
+
+    for kind, model in MTP_MODELS.items():
+        host_init = jax.device_get(sharding_plan(load_config(None, base.SMALL + model),
+                                                 jax.devices()[:1]).init_params())
+        sub = out / kind
+        sub.mkdir()
+        layouts = {k: v for k, v in MTP_LAYOUTS.items() if k.startswith(f"{kind}_")}
+        results = {}
+        for name, overrides in [("single", ["parallelism.dp=1"])] + list(layouts.items()):
+            t0 = time.time()
+            try:
+                devices = jax.devices()[:1] if name == "single" else None
+                record, flat, _ = base.run_layout(model + overrides, devices, host_init)
+                np.savez(sub / f"{name}.npz", **flat)
+                results[name] = {**record, "seconds": time.time() - t0}
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+        (sub / "results.json").write_text(json.dumps(results, indent=1))
+
+
 MULTIHOST = LAYOUTS["1f1b_pp2_dp2_tp2"]  # pp, the outermost mesh axis, across the 2 hosts
 
 
@@ -128,5 +174,7 @@ if __name__ == "__main__":
                            MODEL + MULTIHOST, rows=slice(None))
     elif sys.argv[1] == "moe":
         run_moe(Path(sys.argv[2]))
+    elif sys.argv[1] == "mtp":
+        run_mtp(Path(sys.argv[2]))
     else:
         run_all(Path(sys.argv[1]))

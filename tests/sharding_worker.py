@@ -82,7 +82,7 @@ def run_layout(overrides, devices=None, host_params=None, rows=slice(None)):
         params, opt_state, metrics = fns.step(params, opt_state, batch)
         record["losses"].append(float(metrics["loss"]))
         record["grad_norms"].append(float(metrics["grad_norm"]))
-        for k in sorted(k for k in metrics if k.startswith("moe_")):  # MoE balancing figures
+        for k in sorted(k for k in metrics if k.startswith(("moe_", "mtp"))):  # MoE, MTP
             record.setdefault(k, []).append(float(metrics[k]))
     state = processes.fetch({"params": params, "opt_state": opt_state})
     flat = {jax.tree_util.keystr(p): np.asarray(x)

@@ -94,8 +94,6 @@ def _plan(*overrides):
       "train.microbatches=2"], r"pp_repeats=2 .* needs parallelism.pp_schedule=circular"),
     (["parallelism.pp=2", "parallelism.cp=2", "train.microbatches=2", "train.batch_size=8"],
      r"parallelism.cp=2 with parallelism.pp=2 is not supported"),
-    (["parallelism.pp=2", "model.mtp_depth=1", "train.microbatches=2"],
-     r"model.mtp_depth=1 with parallelism.pp=2"),
     (["train.microbatches=2"], r"with parallelism.pp=1 leave them at 1"),
     (["parallelism.pp=2", "parallelism.pp_schedule=1f1b", "train.microbatches=2"]
      + worker.MOE + ["model.moe.balance=aux_loss"],
@@ -167,6 +165,36 @@ def test_moe_pipeline_trains_like_one_device(trained_moe, name):
     got, want = results[name], results["single"]
     for key in ("moe_load_max", "moe_entropy", "moe_aux_loss"):
         np.testing.assert_allclose(got[key], want[key], rtol=2e-6, err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def trained_mtp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline_mtp")
+    run(WORKER, "mtp", out, timeout=600)
+    return out
+
+
+def test_mtp_pipelines_train_like_one_device(trained_mtp):
+    """Models with MTP modules (a dense one with 2, an MoE one with 1 MoE block) through
+    the pipeline, the modules on the last stage: loss, gradients and the state after a
+    step (the MTP parameters, and with balance=bias the MTP block's expert_bias, moved by
+    its row of expert_load) equal pp = 1, and so do each depth's loss and accuracy and the
+    MoE figures, which count the MTP block after the main layers. One test for all the
+    layouts, so that test processes do not each repeat their worker run."""
+    for name in worker.MTP_LAYOUTS:
+        out = trained_mtp / name.split("_")[0]
+        results = json.loads((out / "results.json").read_text())
+        got, want = results[name], results["single"]
+        depth = 2 if name.startswith("dense") else 1
+        keys = [f"mtp{k}_{x}" for k in range(1, depth + 1) for x in ("loss", "acc")]
+        keys += ["moe_load_max", "moe_entropy", "moe_aux_loss"] if "moe" in name else []
+        try:
+            _assert_same_training(results, out, name, out / f"{name}.npz")
+            assert set(keys) <= set(want), sorted(want)
+            for key in keys:
+                np.testing.assert_allclose(got[key], want[key], rtol=2e-6, err_msg=key)
+        except AssertionError as e:
+            raise AssertionError(f"layout {name}: {e}") from None
 
 
 def test_pipeline_across_two_hosts_trains_like_one_device(trained, tmp_path):

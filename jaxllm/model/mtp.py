@@ -15,8 +15,9 @@ routing statistics join the main layers' for balancing). The embedding and the o
 head are the main model's. This is DeepSeek-V3's MTP layer as its checkpoints store it
 (enorm, hnorm, eh_proj over [embedding; hidden], a decoder layer, shared_head.norm), so
 hf/deepseek.py maps it one to one. Training adds `train.mtp_weight` x the mean of the D
-losses (`mtp_losses`); decoding uses the chain of modules as a drafter for speculative
-decoding (inference/speculative.py).
+losses (`mtp_losses`, `mtp_objective`); with pp > 1 the modules run on the last pipeline
+stage, beside the head (sharding/pipeline.py). Decoding uses the chain of modules as a
+drafter for speculative decoding (inference/speculative.py).
 """
 from __future__ import annotations
 
@@ -85,8 +86,20 @@ def mtp_losses(model, h, targets):
         tgt = shift_left(targets, k)
         mask = (jnp.arange(s) < s - k)[None, :].astype(jnp.float32)  # (1, S)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        nll = lse - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
+        # the target's logit by a one-hot select-and-sum, as trainer.cross_entropy: it
+        # partitions over a vocab-sharded axis, also inside the pipeline's shard_map
+        hit = tgt[..., None] == jnp.arange(logits.shape[-1], dtype=tgt.dtype)
+        nll = lse - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
         count = jnp.maximum(mask.sum() * b, 1.0)
         losses.append(jnp.sum(nll * mask) / count)
         accs.append(jnp.sum((jnp.argmax(logits, -1) == tgt) * mask) / count)
     return jnp.stack(losses), jnp.stack(accs), jax.tree.map(lambda *x: jnp.stack(x), *stats)
+
+
+def mtp_objective(objective, losses, accs, weight: float):
+    """(objective + weight x the mean of the D losses, the aux entries mtp1_loss,
+    mtp1_acc, ..., mtpD_acc) from `mtp_losses`' losses and accuracies [D]."""
+    aux = {}
+    for k in range(losses.shape[0]):
+        aux[f"mtp{k + 1}_loss"], aux[f"mtp{k + 1}_acc"] = losses[k], accs[k]
+    return objective + weight * jnp.mean(losses), aux

@@ -14,8 +14,11 @@ One `shard_map` over `pp` alone runs the schedule; dp / fsdp / tp stay automatic
 for GSPMD inside it, so they compose. Each tick every device runs the stage that the
 schedule table (`pipeline_schedule.py`) gives it; activations move one device forward
 with `ppermute` (cotangents one back). The first stage embeds its microbatch, the last
-applies the final norm, head and loss. Device-dependent work (the head and loss, the op
-of a 1F1B tick) runs under `lax.cond` / `lax.switch`, so other devices skip it.
+applies the final norm, head and loss, and the MTP modules (model.mtp_depth, as
+DeepSeek-V3 places them): their parameters, like the head's, are on every pp device, and
+their losses, accuracies and MoE stats are summed over the microbatches as the main
+loss is. Device-dependent work (the head and loss, the op of a 1F1B tick) runs under
+`lax.cond` / `lax.switch`, so other devices skip it.
 
 - gpipe, circular: a scan over the forward ticks; autodiff mirrors it for the backward.
   The stage is rematerialised by `model.remat`, so the scan keeps each tick's stage input
@@ -35,13 +38,14 @@ the embedding's, are on every pp device), so that stage has dense_layers more la
 Each stage's MoE layers return their routing stats per microbatch (`routing_stats`:
 token means); they are summed over the microbatches in the schedule's carry, leave the
 `shard_map` sharded over pp and are put back in layer order [L, E], and their mean over
-the microbatches (of equal token counts) is the full batch's. The Switch aux loss, a
-product of two means, is recomputed from the averaged load and probability, so the
-metrics, `expert_load` and the aux-loss objective equal one device's. gpipe and circular
-differentiate through that; 1f1b takes the stats from each microbatch's backward tick
-and gives them no cotangent, so it refuses balance=aux_loss (its gradient needs the
-whole batch's load before the first backward). Expert parallelism composes: the experts'
-own `shard_map` over the token axes (ep > 1: its all-to-all) nests inside this one.
+the microbatches (of equal token counts) is the full batch's; the MTP blocks' follow
+them, [L + D, E], as in `trainer.loss_fn`. The Switch aux loss, a product of two means,
+is recomputed from the averaged load and probability, so the metrics, `expert_load` and
+the aux-loss objective equal one device's. gpipe and circular differentiate through
+that; 1f1b takes the stats from each microbatch's backward tick and gives them no
+cotangent, so it refuses balance=aux_loss (its gradient needs the whole batch's load
+before the first backward). Expert parallelism composes: the experts' own `shard_map`
+over the token axes (ep > 1: its all-to-all) nests inside this one.
 """
 from __future__ import annotations
 
@@ -90,10 +94,6 @@ def check_config(cfg: Config) -> None:
     if p.cp != 1:
         raise ConfigError(f"parallelism.cp={p.cp} with parallelism.pp={pp} is not supported; "
                           f"set one of them to 1")
-    if m.mtp_depth:
-        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallelism.pp={pp} is not "
-                          f"supported (the MTP modules read the last hidden state outside the "
-                          f"pipeline); set model.mtp_depth=0 or parallelism.pp=1")
     if t.distill_from:
         raise ConfigError(f"train.distill_from with parallelism.pp={pp} is not supported; "
                           f"distil with parallelism.pp=1")
@@ -140,6 +140,7 @@ class Pipeline:
         self.remat_policy = REMAT_POLICIES.get(self.remat)
         self.schedule = schedule_of(cfg)
         self.moe = cfg.model.moe
+        self.mtp_weight = cfg.train.mtp_weight
 
     # -- the model in pieces ------------------------------------------------------------
 
@@ -163,8 +164,30 @@ class Pipeline:
             x = model.run_blocks(x, _positions(x), model.dense_blocks)[0]
         return x
 
-    def _head_loss(self, chunk, rest, h, targets):
-        return self.token_loss(self._model(rest, chunk).logits(h), targets)
+    def _head(self, chunk, rest, h, targets):
+        """The last stage's end over its output h (b, S, d): {"loss": the token loss} and,
+        with MTP modules, their per-depth "mtp_loss", "mtp_acc" [D] and "mtp_stats" (their
+        blocks' MoE stats [D, ...], {} if dense), all means over this microbatch."""
+        model = self._model(rest, chunk)
+        out = {"loss": self.token_loss(model.logits(h), targets)}
+        if model.mtp is not None:
+            from jaxllm.model.mtp import mtp_losses  # the model imports sharding
+            out["mtp_loss"], out["mtp_acc"], out["mtp_stats"] = mtp_losses(model, h, targets)
+        return out
+
+    def _head_or_zeros(self, chunk, rest, h, targets, is_last):
+        """`_head` on the last stage, zeros of its shapes on the others."""
+        shapes = jax.eval_shape(self._head, chunk, rest, h, targets)
+        return jax.lax.cond(is_last, lambda h: self._head(chunk, rest, h, targets),
+                            lambda h: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                                   shapes), h)
+
+    def _head_objective(self, out):
+        """A microbatch's share of the objective before balancing: its token loss plus
+        mtp_weight x its MTP modules' mean loss."""
+        if "mtp_loss" not in out:
+            return out["loss"]
+        return out["loss"] + self.mtp_weight * jnp.mean(out["mtp_loss"])
 
     def _forward(self, chunk, rest, x_in, tokens, first):
         """Stage input (the embedding on the first stage) -> (stage output, MoE stats)."""
@@ -176,16 +199,27 @@ class Pipeline:
         and of its MoE stats."""
         return jax.eval_shape(lambda: self._stage(chunk, rest, self._embed(chunk, rest, tokens)))
 
-    def _objective(self, loss, stats):
-        """(objective, aux) from the mean token loss and the MoE layers' stats summed over
-        the microbatches [L, ...] in layer order, as `trainer.loss_fn` gives them."""
-        if not stats:
-            return loss, {"loss": loss}
+    def _objective(self, out, stats):
+        """(objective, aux) as `trainer.loss_fn` gives them, from the last stage's `_head`
+        figures and the MoE layers' stats [L, ...] in layer order, both summed over the
+        microbatches."""
         from jaxllm.model.moe import balance_aux, switch_loss  # the model imports sharding
-        stats = jax.tree.map(lambda x: x / self.m, stats)  # means of token means
+        from jaxllm.model.mtp import mtp_objective
+        out, stats = jax.tree.map(lambda x: x / self.m, (out, stats))  # means of token means
+        objective = loss = out["loss"]
+        aux = {"loss": loss}
+        if "mtp_loss" in out:
+            objective, more = mtp_objective(objective, out["mtp_loss"], out["mtp_acc"],
+                                            self.mtp_weight)
+            aux.update(more)
+            if stats:  # an MoE model's MTP blocks are MoE layers too, after the main ones
+                stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats,
+                                     out["mtp_stats"])
+        if not stats:
+            return objective, aux
         stats["aux_loss"] = switch_loss(stats["load"], stats["prob"])  # not a token mean
-        objective, aux = balance_aux(loss, stats, self.moe)
-        return objective, {"loss": loss, **aux}
+        objective, more = balance_aux(objective, stats, self.moe)
+        return objective, {**aux, **more}
 
     # -- layouts around the shard_map -------------------------------------------------
 
@@ -227,21 +261,20 @@ class Pipeline:
         p, v, m = self.p, self.v, self.m
         last = p * v - 1
 
-        # What autodiff keeps of a tick is stacked over all ticks. So the head's loss runs
-        # under one checkpoint around its lax.cond (whose residuals, the head's weights
-        # among them, would be kept per tick), and with one stage per device the stage's
-        # weights are taken once, outside the ticks; with v stages per device each tick
-        # slices its stage, and that slice is kept per tick (docs/experiments.md).
-        @jax.checkpoint
-        def head_loss(chunk, rest, y, tgt, is_last):
-            return jax.lax.cond(is_last, lambda y: self._head_loss(chunk, rest, y, tgt),
-                                lambda y: jnp.zeros((), jnp.float32), y)
+        # What autodiff keeps of a tick is stacked over all ticks. So the head's loss (and
+        # the MTP modules') runs under one checkpoint around its lax.cond (whose residuals,
+        # the head's weights among them, would be kept per tick), and with one stage per
+        # device the stage's weights are taken once, outside the ticks; with v stages per
+        # device each tick slices its stage, and that slice is kept per tick
+        # (docs/experiments.md).
+        head = jax.checkpoint(self._head_or_zeros)
 
         def body(blocks, rest, inputs, targets):
             d = jax.lax.axis_index("pp")
             stages = jax.tree.map(lambda x: x.reshape(v, -1, *x.shape[1:]), blocks)
             first = jax.tree.map(lambda x: x[0], stages)
             act, shapes = self._shapes(first, rest, inputs[0])
+            out_shapes = jax.eval_shape(self._head, first, rest, act, targets[0])
 
             def tick(carry, row):
                 state, total, acc = carry
@@ -249,22 +282,23 @@ class Pipeline:
                 i, r = jnp.maximum(mb, 0), jnp.maximum(s, 0) // p
                 chunk = first if v == 1 else jax.tree.map(lambda x: x[r], stages)
                 y, stats = self._forward(chunk, rest, state, inputs[i], s == 0)
-                loss = head_loss(first, rest, y, targets[i], s == last)  # reads no block
+                out = head(first, rest, y, targets[i], s == last)  # reads no block
                 # this tick's stage's MoE stats, in its row r of the device's v stages
                 acc = jax.tree.map(lambda a, x: a.at[r].add(jnp.where(mb >= 0, x, 0)),
                                    acc, stats)
                 state = jax.lax.ppermute(y, "pp", [(j, (j + 1) % p) for j in range(p)])
-                return (state, total + loss, acc), None
+                return (state, jax.tree.map(jnp.add, total, out), acc), None
 
-            init = (jnp.zeros(act.shape, act.dtype), jnp.zeros((), jnp.float32),
+            init = (jnp.zeros(act.shape, act.dtype),
+                    jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out_shapes),
                     jax.tree.map(lambda x: jnp.zeros((v,) + x.shape, x.dtype), shapes))
             (_, total, acc), _ = jax.lax.scan(tick, init, ticks)
             acc = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), acc)  # [v L/(p v), ...]
-            return jax.lax.psum(total, "pp") / m, acc
+            return jax.lax.psum(total, "pp"), acc
 
         blocks = self._to_pipeline_order(params[STACK])
-        loss, stats = self._shard_map(body, (P(), P("pp")))(blocks, rest, inputs, targets)
-        return self._objective(loss, self._to_layer_order(stats))
+        out, stats = self._shard_map(body, (P(), P("pp")))(blocks, rest, inputs, targets)
+        return self._objective(out, self._to_layer_order(stats))
 
     # -- 1f1b: every tick by hand -------------------------------------------------------
 
@@ -279,14 +313,16 @@ class Pipeline:
             d = jax.lax.axis_index("pp")
             first, last = d == 0, d == p - 1
             act, shapes = self._shapes(blocks, rest, inputs[0])
+            out_shapes = jax.eval_shape(self._head, blocks, rest, act, targets[0])
             zeros = jnp.zeros(act.shape, act.dtype)
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
 
             def full(chunk, rest, x_in, tokens, tgt):
+                """-> ((stage output, this microbatch's share of the objective on the last
+                stage, else 0), (its MoE stats, the last stage's `_head` figures))."""
                 y, stats = self._forward(chunk, rest, x_in, tokens, first)
-                loss = jax.lax.cond(last, lambda y: self._head_loss(chunk, rest, y, tgt),
-                                    lambda y: jnp.zeros((), jnp.float32), y)
-                return (y, loss), stats
+                out = self._head_or_zeros(chunk, rest, y, tgt, last)
+                return (y, self._head_objective(out)), (stats, out)
 
             def tick(carry, row):
                 acts, cots, g_blocks, g_rest, total, acc = carry
@@ -303,12 +339,12 @@ class Pipeline:
                 def backward(g_blocks, g_rest, total, acc):
                     # the MoE stats come from this recomputed forward, once per microbatch
                     # (balance aux_loss is refused with 1f1b: they need no cotangent)
-                    (_, loss), vjp, stats = jax.vjp(
+                    _, vjp, (stats, out) = jax.vjp(
                         lambda c, r, x: full(c, r, x, inputs[mb], targets[mb]),
                         blocks, rest, x_in, has_aux=True)
                     dy_in = jnp.where(last, jnp.zeros_like(dy), dy)
                     gc, gr, dx = vjp((dy_in, jnp.where(last, 1.0 / m, 0.0)))
-                    return (zeros, dx, add(g_blocks, gc), add(g_rest, gr), total + loss,
+                    return (zeros, dx, add(g_blocks, gc), add(g_rest, gr), add(total, out),
                             add(acc, stats))
 
                 y, dx, g_blocks, g_rest, total, acc = jax.lax.switch(
@@ -327,15 +363,16 @@ class Pipeline:
             zero_like = lambda t: jax.tree.map(jnp.zeros_like, t)
             init = (jnp.zeros((k_act,) + act.shape, act.dtype),
                     jnp.zeros((k_cot,) + act.shape, act.dtype),
-                    zero_like(blocks), zero_like(rest), jnp.zeros((), jnp.float32),
+                    zero_like(blocks), zero_like(rest),
+                    jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out_shapes),
                     jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
             (_, _, g_blocks, g_rest, total, acc), _ = jax.lax.scan(tick, init, ops)
-            return (jax.lax.psum(total, "pp") / m, g_blocks,
+            return (jax.lax.psum(total, "pp"), g_blocks,
                     jax.tree.map(lambda g: jax.lax.psum(g, "pp"), g_rest), acc)
 
-        loss, g_blocks, g_rest, stats = self._shard_map(body, (P(), P("pp"), P(), P("pp")))(
+        out, g_blocks, g_rest, stats = self._shard_map(body, (P(), P("pp"), P(), P("pp")))(
             params[STACK], rest, inputs, targets)
-        return self._objective(loss, stats), {**g_rest, STACK: g_blocks}
+        return self._objective(out, stats), {**g_rest, STACK: g_blocks}
 
     def value_and_grad(self, params, batch):
         """((loss, aux), grads) of the batch, as `jax.value_and_grad(loss_fn, has_aux=True)`."""

@@ -25,7 +25,7 @@ from flax import nnx
 from jaxllm.config import Config, ConfigError, load_config, save_config
 from jaxllm.model import build_model
 from jaxllm.model.moe import balance_aux, load_max_over_mean, update_expert_bias
-from jaxllm.model.mtp import mtp_losses
+from jaxllm.model.mtp import mtp_losses, mtp_objective
 from jaxllm.sharding import ShardingPlan
 from jaxllm.sharding.memory import describe_memory, step_memory
 from jaxllm.sharding.pipeline import Pipeline, schedule_of
@@ -113,9 +113,8 @@ def loss_fn(graphdef, params, batch, mtp_weight: float = 0.0):
         aux["distill_kl"] = objective = kl_divergence(batch["teacher_logits"], logits)
     if model.mtp is not None:
         losses, accs, mtp_stats = mtp_losses(model, h, batch["targets"])
-        for k in range(len(model.mtp)):
-            aux[f"mtp{k + 1}_loss"], aux[f"mtp{k + 1}_acc"] = losses[k], accs[k]
-        objective = objective + mtp_weight * jnp.mean(losses)
+        objective, more = mtp_objective(objective, losses, accs, mtp_weight)
+        aux.update(more)
         if moe_stats:  # an MoE model's MTP blocks are MoE layers too, after the main ones
             moe_stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), moe_stats, mtp_stats)
     if moe_stats:
