@@ -63,3 +63,24 @@ def test_scan_compiles_once_for_any_depth():
         jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(g, s)(t))(st, _tokens(jax.random.key(0), 1, 8))
         sizes.append(len(str(jaxpr)))
     assert abs(sizes[0] - sizes[1]) < 0.02 * sizes[0]
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_layers_equal_the_scan(remat):
+    """model.unroll_layers changes the compiled loop only: the same parameters give the same
+    logits and gradients, and the unrolled program has no loop left."""
+    rolled, _ = _model("model.n_layers=3", f"model.remat={remat}")
+    unrolled, _ = _model("model.n_layers=3", f"model.remat={remat}",
+                         "model.unroll_layers=true")
+    nnx.update(unrolled, nnx.state(rolled))
+    tokens = _tokens(jax.random.key(1), 2, 16)
+
+    def loss(model):
+        return jnp.mean(jax.nn.log_softmax(model(tokens))[..., 0] ** 2)
+
+    (la, ga), (lb, gb) = (nnx.value_and_grad(loss)(m) for m in (rolled, unrolled))
+    chex.assert_trees_all_close((la, nnx.to_pure_dict(ga)), (lb, nnx.to_pure_dict(gb)),
+                                rtol=1e-5, atol=1e-6)
+    loops = [_forward.lower(m, tokens).as_text().count("stablehlo.while")
+             for m in (rolled, unrolled)]
+    assert loops == [1, 0]

@@ -1,7 +1,11 @@
 """The Llama-family decoder: embed -> N x [norm, attention, norm, SwiGLU] -> norm -> head.
 
 The N blocks are one stacked module (every parameter has a leading `layers` axis) run by
-`jax.lax.scan`, so compile time does not grow with depth and pipeline stages are slices.
+`jax.lax.scan`, so pipeline stages are slices and compile time does not grow with depth.
+model.unroll_layers unrolls that scan in the compiled step: each layer then reads its
+weights as static slices of the stack, where the rolled loop copies them and stacks its
+saved activations (the 1B train step on an H100: 211 -> 171 ms), at a compile time that
+grows with depth.
 With model.moe the feed-forward part is the MoE block (model/moe.py), and the first
 moe.dense_layers layers, which keep the dense MLP, are a stack of their own
 (`dense_blocks`) run before the main one (`blocks`).
@@ -76,7 +80,7 @@ class Decoder(nnx.Module):
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
-        return jax.lax.scan(body, x, state)
+        return jax.lax.scan(body, x, state, unroll=self.cfg.unroll_layers)
 
     def forward(self, tokens):
         """Training / scoring forward: causal attention over the whole sequence.
