@@ -203,6 +203,9 @@ def render(p: Plan, width: int = 110) -> str:
         tab.add_row(k, _gib(v))
     tab.add_row("HBM", _gib(hw.hbm) + ("" if p.fits else "  (does not fit)"))
     con.print(tab)
+    if m.unroll_layers:
+        con.print("memory as the rolled layer loop holds it: with model.unroll_layers XLA "
+                  "schedules the unrolled step otherwise (docs/planning.md)")
 
     tab = Table(title="training step per device")
     tab.add_column("figure")
