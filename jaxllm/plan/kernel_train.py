@@ -21,13 +21,13 @@ T tokens, d model width, c / p bytes of the compute / parameter dtype, X = T d c
                 `attn_fwd`, its backward 2.5x that at `attn_bwd`; the Triton kernel runs
                 head dims padded to powers of two (MLA's 192 as 256: those FLOPs, and
                 the pads of q and k, copies, forward and backward)
-    stack       the scan keeps what the backward reads (remat none: every intermediate;
+    stack       the rolled scan keeps what the backward reads (remat none: every intermediate;
                 "dots": the matmul outputs; "full": the block input) in stacked [L, ...]
                 buffers, the bytes of `activations.saved_per_token` (and without remat
                 an MoE layer's `expert_bytes`), each copied in by its own kernel (read +
                 write); the backward's fusions read the stack in place, but a tensor a
                 library call (cuBLAS, cuDNN, Pallas) reads is first copied out (read +
-                write)
+                write); unrolled (model.unroll_layers) neither: each layer's own buffers
     remat       "dots": every kernel but the matmuls runs again in the backward (attention
                 and an MoE layer's grouped matmuls included: they are no dot_general);
                 "full": the whole block forward again
@@ -104,7 +104,7 @@ def _forward(op: Op, c: float, p: float, casts: bool = True) -> list[Kernel]:
     return [Kernel(op.what, op.launches, bytes=(op.read + op.out) / op.launches)]
 
 
-def _backward(op: Op, c: float, p: float, remat: str) -> list[Kernel]:
+def _backward(op: Op, c: float, p: float, remat: str, rolled: bool = True) -> list[Kernel]:
     m, k, n = op.mkn
     if op.kind in ("matmul", "gmm"):
         g = op.groups if op.kind == "gmm" else 1
@@ -115,7 +115,7 @@ def _backward(op: Op, c: float, p: float, remat: str) -> list[Kernel]:
                Kernel(what, 1, 2 * m * k * n, c * (m * k + m * n + w), rate,
                       (k, m, n) if op.kind == "matmul" else None),  # the weight's
                Kernel("weight grads", 1, bytes=(c + p) * w)]
-        if remat == "none":  # the forward's cast, copied out of the stack for cuBLAS
+        if remat == "none" and rolled:  # the forward's cast, copied out of the stack
             out.append(Kernel("copy", 1, bytes=2 * c * w))
         return out
     if op.kind == "attention":
@@ -133,20 +133,22 @@ def _backward(op: Op, c: float, p: float, remat: str) -> list[Kernel]:
 
 
 def layer_train_kernels(ops: list[Op], c: float, p: float, remat: str,
-                        saved: float) -> list[Kernel]:
+                        saved: float, rolled: bool = True) -> list[Kernel]:
     """One layer's kernels in a training step: forward, the stacking of its `saved` bytes
     (what the backward reads, `activations.py`), backward and the remat policy's
-    recompute."""
+    recompute. Unrolled (`rolled` False: model.unroll_layers) nothing is stacked or copied
+    out of a stack: each layer's saved tensors are its own buffers."""
     by_name = {o.name: o for o in ops}
     out = []
     for op in ops:
         out += _forward(op, c, p)
     kept = max(1, sum(remat in op.keep for op in ops))  # the scan's stacking: a copy each
-    out.append(Kernel("stack", kept, bytes=2 * saved / kept))
+    if rolled:
+        out.append(Kernel("stack", kept, bytes=2 * saved / kept))
     copied = set()
     for op in reversed(ops):
-        out += _backward(op, c, p, remat)
-        for name in op.lib_reads:
+        out += _backward(op, c, p, remat, rolled)
+        for name in op.lib_reads if rolled else ():
             src = op if name == "self" else by_name[name]
             if remat in src.keep and src.name not in copied:  # copied out for the library
                 copied.add(src.name)
@@ -286,7 +288,7 @@ def train_kernels(cfg: Config, rows: int, seq: int, sizes: dict[str, int] | None
             if moe and experts_saved(remat):
                 saved += expert_bytes(m, sizes, T, "gpu")[0]
             ops = train_layer_ops(m, rows, seq, tp, moe, sizes["ep"])
-            one = layer_train_kernels(ops, c, p, remat, saved)
+            one = layer_train_kernels(ops, c, p, remat, saved, not m.unroll_layers)
             ks += repeated(one, count)
     logits = T * V * 4
     head = Op("head", "matmul", logits, (), (), (T, d, V))
