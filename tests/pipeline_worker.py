@@ -110,57 +110,41 @@ def run_all(out: Path):
 
 def run_moe(out: Path):
     """The MoE layouts, each against pp = 1 with the same balancing, into OUT/<balance>/."""
-    import jax
-    import numpy as np
-
-    from jaxllm.config import load_config
-    from jaxllm.train.trainer import sharding_plan
-
     for balance in ("aux_loss", "bias"):  # the expert_bias leaves exist with "bias" only
-        model = MOE + [f"model.moe.balance={balance}"]
-        host_init = jax.device_get(sharding_plan(load_config(None, base.SMALL + model),
-                                                 jax.devices()[:1]).init_params())
-        sub = out / balance
-        sub.mkdir()
-        layouts = {k: v for k, v in MOE_LAYOUTS.items() if f"_{balance}_" in k}
-        results = {}
-        for name, overrides in [("single", ["parallelism.dp=1"])] + list(layouts.items()):
-            t0 = time.time()
-            try:
-                devices = jax.devices()[:1] if name == "single" else None
-                record, flat, _ = base.run_layout(model + overrides, devices, host_init)
-                np.savez(sub / f"{name}.npz", **flat)
-                results[name] = {**record, "seconds": time.time() - t0}
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-        (sub / "results.json").write_text(json.dumps(results, indent=1))
+        _run_model(out / balance, MOE + [f"model.moe.balance={balance}"],
+                   {k: v for k, v in MOE_LAYOUTS.items() if f"_{balance}_" in k})
 
 
 def run_mtp(out: Path):
     """The MTP layouts, each against pp = 1 of its model, into OUT/<model>/."""
+    for kind, model in MTP_MODELS.items():
+        _run_model(out / kind, model,
+                   {k: v for k, v in MTP_LAYOUTS.items() if k.startswith(f"{kind}_")})
+
+
+def _run_model(sub: Path, model: list[str], layouts: dict[str, list[str]]):
+    """One model on one device ("single") and in each layout, from the same initial
+    parameters: each run's flattened state into SUB/<name>.npz, records into results.json."""
     import jax
     import numpy as np
 
     from jaxllm.config import load_config
     from jaxllm.train.trainer import sharding_plan
 
-    for kind, model in MTP_MODELS.items():
-        host_init = jax.device_get(sharding_plan(load_config(None, base.SMALL + model),
-                                                 jax.devices()[:1]).init_params())
-        sub = out / kind
-        sub.mkdir()
-        layouts = {k: v for k, v in MTP_LAYOUTS.items() if k.startswith(f"{kind}_")}
-        results = {}
-        for name, overrides in [("single", ["parallelism.dp=1"])] + list(layouts.items()):
-            t0 = time.time()
-            try:
-                devices = jax.devices()[:1] if name == "single" else None
-                record, flat, _ = base.run_layout(model + overrides, devices, host_init)
-                np.savez(sub / f"{name}.npz", **flat)
-                results[name] = {**record, "seconds": time.time() - t0}
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-        (sub / "results.json").write_text(json.dumps(results, indent=1))
+    host_init = jax.device_get(sharding_plan(load_config(None, base.SMALL + model),
+                                             jax.devices()[:1]).init_params())
+    sub.mkdir()
+    results = {}
+    for name, overrides in [("single", ["parallelism.dp=1"])] + list(layouts.items()):
+        t0 = time.time()
+        try:
+            devices = jax.devices()[:1] if name == "single" else None
+            record, flat, _ = base.run_layout(model + overrides, devices, host_init)
+            np.savez(sub / f"{name}.npz", **flat)
+            results[name] = {**record, "seconds": time.time() - t0}
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    (sub / "results.json").write_text(json.dumps(results, indent=1))
 
 
 MULTIHOST = LAYOUTS["1f1b_pp2_dp2_tp2"]  # pp, the outermost mesh axis, across the 2 hosts
