@@ -244,7 +244,9 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
         # backward (its working set) not running yet, the modules' bytes beside
         at_mtp = (acts - working * saved(bool(n_moe), "none")
                   + mtp.head_tick(m, module_saved(), states.mtp / max(m.mtp_depth, 1),
-                                  states.table)) if m.mtp_depth else 0.0
+                                  states.table)
+                  + (expert_bytes(m, sizes, tokens, platform)[1] if m.moe else 0.0)
+                  ) if m.mtp_depth else 0.0
     else:
         # the layer being differentiated: its cotangents, and under remat its recomputed
         # intermediates, in units of one layer's full set

@@ -20,8 +20,9 @@ assignment holds for them on the CPU (`benchmarks/plan_check.py --cpu`):
                   recomputed per tick): per module its saved activations, its weights
                   as the cond's residuals, their gradients in the tick and those
                   reduced over the data axes (three times its parameter bytes beside
-                  the accumulator), and the head's gradient for its depth and that
-                  reduced (two tables); the stage's own backward is not running then
+                  the accumulator), three tables (`head_tick`), and in an MoE model the
+                  module's experts' backward buffers; the stage's own backward is not
+                  running then
 
 The saved activations per token: the block's every intermediate (`saved_per_token`
 without remat; an MoE block's routed experts' rows with it) and the [embedding; hidden]
