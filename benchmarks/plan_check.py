@@ -112,8 +112,7 @@ CONFIGS = {
     "moe_pp2_1f1b_ep2": [MOE, MOE3] + PP + ["parallelism.dp=2", "parallelism.ep=2"],
     "moe_dp8_dots": [MOE, MOE3, "parallelism.dp=8", "model.remat=dots"],
     "moe_ep8_dots": [MOE, MOE3, "parallelism.dp=1", "parallelism.ep=8", "model.remat=dots"],
-    # MTP modules (two; one in the MoE model), whose memory beyond their states the
-    # planner does not model (docs/planning.md): on one stage, and on the last of a pipeline
+    # MTP modules (two; one in the MoE model): on one stage, and on the last of a pipeline
     "mtp_dp8": ["parallelism.dp=8", "model.mtp_depth=2"],
     "mtp_pp2_1f1b": PP + ["parallelism.dp=4", "model.mtp_depth=2"],
     "mtp_pp2_gpipe": PP + ["parallelism.dp=4", "parallelism.pp_schedule=gpipe",
@@ -121,8 +120,7 @@ CONFIGS = {
     "moe_mtp_pp2_1f1b": [MOE, MOE3] + PP + ["parallelism.dp=4", "model.mtp_depth=1"],
 }
 KNOWN_MISSES = ("dp2_tp4", "dp2_cp4", "fsdp8_b32_dots", "pp2_gpipe_full", "pp2_fsdp4_l4",
-                "pp2_dp2_tp2_l4", "moe_dp8_dots", "moe_ep8_dots", "pp2_dp2_tp2", "mtp_dp8",
-                "mtp_pp2_1f1b", "mtp_pp2_gpipe", "moe_mtp_pp2_1f1b")
+                "pp2_dp2_tp2_l4", "moe_dp8_dots", "moe_ep8_dots", "pp2_dp2_tp2")
 
 
 def load(name: str):

@@ -28,9 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # under dots remat (which recomputes the experts' rows) / MoE over dp x tp under dots / a
 # dense pipeline (1f1b) over dp at ZeRO-1 / MoE under a 1f1b pipeline with ep (the dense
 # layer in the first stage) and under gpipe (the dense layer under the first stage's
-# lax.cond, kept per tick) / MLA under full remat
+# lax.cond, kept per tick) / MLA under full remat / two MTP modules on a 1f1b pipeline's
+# last stage (their head's backward tick)
 CHECKED = ["moe_ep4_fsdp2", "moe_ep4_fsdp2_dots", "moe_dp4_tp2_dots", "pp2_dp4_z1",
-           "moe_pp2_1f1b_ep2", "moe_pp2_gpipe_ep2", "mla_dp8_full"]
+           "moe_pp2_1f1b_ep2", "moe_pp2_gpipe_ep2", "mla_dp8_full", "mtp_pp2_1f1b"]
 
 
 def test_planned_memory_matches_compiled_step():

@@ -44,6 +44,7 @@ from jaxllm.plan.activations import (BACKWARD_WORKING_SET, DTYPE_BYTES, expert_b
                                      expert_weight_slices, experts_saved,
                                      resolved_attention_impl,
                                      ring_saved_per_token, saved_per_token)
+from jaxllm.plan import mtp
 from jaxllm.plan.flops import stage_layers, stage_moe_layers
 from jaxllm.sharding.rules import Rules
 
@@ -76,6 +77,16 @@ def abstract_params(m: ModelConfig) -> tuple[tuple[tuple[int, ...], str, tuple],
     shapes = jax.tree.leaves(nnx.to_pure_dict(state))
     names = jax.tree.leaves(logical_axes(state), is_leaf=lambda x: isinstance(x, tuple))
     return tuple((tuple(a.shape), str(a.dtype), tuple(n)) for a, n in zip(shapes, names))
+
+
+@lru_cache(maxsize=16)
+def _top_keys(m: ModelConfig) -> tuple[str, ...]:
+    """The top-level module of every parameter of `abstract_params` (same order)."""
+    import jax
+    from flax import nnx
+
+    paths = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(_abstract_state(m)))[0]
+    return tuple(str(getattr(p[0], "key", "")) for p, _ in paths)
 
 
 @lru_cache(maxsize=16)
@@ -116,6 +127,8 @@ class StateBytes:
     stack_compute: float = 0.0  # the layer stack's parameters in the compute layout
     stack_params: float = 0.0  # the layer stack's parameters in their own layout
     unpipelined_stack: float = 0.0  # in the compute layout, of the stacks pp leaves whole
+    mtp: float = 0.0  # the MTP modules' parameters in the compute layout (not in unstacked)
+    table: float = 0.0  # the embedding table in the compute layout
 
 
 def state_bytes(cfg: Config, rules: Rules) -> StateBytes:
@@ -123,24 +136,29 @@ def state_bytes(cfg: Config, rules: Rules) -> StateBytes:
 
     `grads_live`: the layer stack's gradients are made inside the scanned backward pass
     layer by layer, each summed straight into its ZeRO layout; the embedding, the head and
-    the final norm are made whole (their compute layout) and reduce-scattered after.
+    the final norm are made whole (their compute layout) and reduce-scattered after; so
+    are the MTP modules' (`mtp`, in `grads_live` but not in `grads_unstacked`).
     """
-    params = grads = live = opt = unstacked = stack = stack_params = whole = 0.0
+    params = grads = live = opt = unstacked = stack = stack_params = whole = mtp = table = 0.0
     pp = rules.size("pp")
-    for (shape, dtype, names), split in zip(abstract_params(cfg.model),
-                                            in_pipelined_stack(cfg.model)):
+    for (shape, dtype, names), split, top in zip(abstract_params(cfg.model),
+                                                 in_pipelined_stack(cfg.model),
+                                                 _top_keys(cfg.model)):
         share = pipeline_layer_fraction(shape[0], pp) if split and "layers" in names else 1.0
         itemsize = np.dtype(dtype).itemsize * share
         shard = lambda kind: _shard_elems(rules, shape, names, kind) * itemsize
         params += shard("params")
         grads += shard("grads")
         live += shard("grads") if "layers" in names else shard("compute")
-        unstacked += 0.0 if "layers" in names else shard("compute")
+        mtp += shard("compute") if top == "mtp" else 0.0
+        table += shard("compute") if top == "embed" else 0.0
+        unstacked += 0.0 if "layers" in names or top == "mtp" else shard("compute")
         stack += shard("compute") if "layers" in names else 0.0
         stack_params += shard("params") if "layers" in names else 0.0
         whole += shard("compute") if "layers" in names and not split else 0.0
         opt += 2 * shard("opt_state")
-    return StateBytes(params, grads, live, unstacked, opt, stack, stack_params, whole)
+    return StateBytes(params, grads, live, unstacked, opt, stack, stack_params, whole,
+                      mtp, table)
 
 
 # -- training -------------------------------------------------------------------------------
@@ -202,6 +220,10 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
         return tokens * saved_per_token(m, sizes, kv_len, impl, policy,
                                         p.sequence_parallel, moe)
 
+    def module_saved() -> float:  # one MTP module, all local tokens
+        return mtp.module_saved(m, sizes, tokens, kv_len, impl, p.sequence_parallel, platform,
+                                in_cond=sizes["pp"] > 1)
+
     layers = stage_layers(m, sizes["pp"])  # with pp: the busiest stage's
     n_moe = stage_moe_layers(m, sizes["pp"])
     stacked = (layers - n_moe) * saved(False) + (n_moe * saved(True) if n_moe else 0.0)
@@ -210,11 +232,21 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
         # its peak is the backward at the experts, the logits gone
         acts = mirrored_moe_activations(cfg, sizes, micro, remat, tokens, states, saved,
                                         platform)
+        if m.mtp_depth:  # the head's tick, not checked against a compile
+            acts += mtp.head_tick(m, module_saved(), states.mtp / m.mtp_depth, states.table)
         return TrainMemory(states.params, states.opt_state, states.grads_live, acts, 0.0,
                            batch_bytes)
     if sizes["pp"] > 1:
         acts, grads = pipeline_activations(cfg, sizes["pp"], micro, remat, stacked / layers,
                                            saved(bool(n_moe), "none"), tokens, states)
+        working = BACKWARD_WORKING_SET["none" if p.pp_schedule == "1f1b" else remat]
+        # with MTP modules, the last stage's backward tick at the head: the stage's own
+        # backward (its working set) not running yet, the modules' bytes beside
+        at_mtp = (acts - working * saved(bool(n_moe), "none")
+                  + mtp.head_tick(m, module_saved(), states.mtp / max(m.mtp_depth, 1),
+                                  states.table)
+                  + (expert_bytes(m, sizes, tokens, platform)[1] if m.moe else 0.0)
+                  ) if m.mtp_depth else 0.0
     else:
         # the layer being differentiated: its cotangents, and under remat its recomputed
         # intermediates, in units of one layer's full set
@@ -223,6 +255,13 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
         # head's matmul, the embedding's scatter-add, their sum when tied or their
         # transposes
         grads = states.grads_live + 3 * states.grads_unstacked
+        # with MTP modules, the last one's backward (before the main stack's), and its
+        # depths' head and embedding gradients beside the main stack's backward
+        at_mtp = (stacked + states.grads_live - states.grads_unstacked - states.mtp
+                  + mtp.last_module_backward(m, sizes, tokens, module_saved(),
+                                             states.mtp / max(m.mtp_depth, 1), states.table)
+                  ) if m.mtp_depth else 0.0
+        grads += mtp.main_backward_extra(m, states.table)
     if sizes["cp"] > 1:  # the ring's key/value blocks and partial outputs of every step
         acts += layers * tokens * ring_saved_per_token(m, sizes)
     vocab = m.vocab_size / (sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else 1)
@@ -242,6 +281,10 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
                          if remat != "full" else 0.0))
         if at_experts + states.grads_live > acts + logits + grads:
             acts, logits, grads = at_experts, 0.0, states.grads_live
+    if m.mtp_depth and sizes["pp"] == 1 and at_mtp > acts + logits + grads:
+        acts, logits, grads = at_mtp, 0.0, 0.0  # at_mtp holds the gradients
+    elif m.mtp_depth and sizes["pp"] > 1 and at_mtp > acts:
+        acts = at_mtp
     return TrainMemory(states.params, states.opt_state, grads, acts, logits, batch_bytes)
 
 
@@ -277,7 +320,7 @@ def pipeline_activations(cfg: Config, pp: int, micro: int, remat: str, saved: fl
         scanned = stage_moe_layers(m, pp, v) or layers  # the pipelined stack's, a stage
         layer = states.stack_compute / scanned  # one layer's weights, whole
         if scanned > 1:  # the scan's slice of them, its stacked gradients
-            tick = layer + states.grads_live - states.grads_unstacked
+            tick = layer + states.grads_live - states.grads_unstacked - states.mtp
         else:  # the layer's weights gathered over the ZeRO axes
             tick = layer - states.stack_params
         return ((k_act + k_cot) * stage_in + stage

@@ -69,10 +69,11 @@ def train_point(cfg: Config, sizes: dict[str, int], mem: TrainMemory, comm_s: fl
     fl = train_flops(m, t.batch_size, t.seq_len, pipeline=pipeline_of(cfg, sizes))
     flops = fl.hardware_per_step / n * (1 + bubble_fraction(cfg, sizes["pp"], micro))
     # the weights in their compute layout (the layer stack's, and the embedding's, head's
-    # and final norm's as their gradients are made), in the compute dtype
+    # and final norm's and the MTP modules' as their gradients are made), in the compute dtype
     states = state_bytes(cfg, Rules(tuple(sizes.items()), t.zero_stage,
                                     cfg.parallelism.sequence_parallel))
-    compute = (states.stack_compute + states.grads_unstacked) / DTYPE_BYTES[m.param_dtype]
+    compute = ((states.stack_compute + states.grads_unstacked + states.mtp)
+               / DTYPE_BYTES[m.param_dtype])
     weights = 3 * micro * compute * DTYPE_BYTES[m.dtype]
     optimizer = 2 * mem.params + mem.grads + 2 * mem.opt_state  # read all; write p, m, v
     acts = 2 * mem.activations
