@@ -108,6 +108,11 @@ def _positions(x):
     return jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
 
 
+def _zeros(tree):
+    """Zeros of every shape and dtype in a tree of arrays or ShapeDtypeStructs."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
+
+
 def schedule_of(cfg: Config) -> Schedule:
     """The schedule table of the config's pipeline settings."""
     p = cfg.parallelism
@@ -179,8 +184,7 @@ class Pipeline:
         """`_head` on the last stage, zeros of its shapes on the others."""
         shapes = jax.eval_shape(self._head, chunk, rest, h, targets)
         return jax.lax.cond(is_last, lambda h: self._head(chunk, rest, h, targets),
-                            lambda h: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                                   shapes), h)
+                            lambda h: _zeros(shapes), h)
 
     def _head_objective(self, out):
         """A microbatch's share of the objective before balancing: its token loss plus
@@ -289,8 +293,7 @@ class Pipeline:
                 state = jax.lax.ppermute(y, "pp", [(j, (j + 1) % p) for j in range(p)])
                 return (state, jax.tree.map(jnp.add, total, out), acc), None
 
-            init = (jnp.zeros(act.shape, act.dtype),
-                    jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out_shapes),
+            init = (_zeros(act), _zeros(out_shapes),
                     jax.tree.map(lambda x: jnp.zeros((v,) + x.shape, x.dtype), shapes))
             (_, total, acc), _ = jax.lax.scan(tick, init, ticks)
             acc = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), acc)  # [v L/(p v), ...]
@@ -360,12 +363,9 @@ class Pipeline:
                 cots = cots.at[j].set(jnp.where(got_cot, dx, cots[j]))
                 return (acts, cots, g_blocks, g_rest, total, acc), None
 
-            zero_like = lambda t: jax.tree.map(jnp.zeros_like, t)
             init = (jnp.zeros((k_act,) + act.shape, act.dtype),
                     jnp.zeros((k_cot,) + act.shape, act.dtype),
-                    zero_like(blocks), zero_like(rest),
-                    jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out_shapes),
-                    jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+                    _zeros(blocks), _zeros(rest), _zeros(out_shapes), _zeros(shapes))
             (_, _, g_blocks, g_rest, total, acc), _ = jax.lax.scan(tick, init, ops)
             return (jax.lax.psum(total, "pp"), g_blocks,
                     jax.tree.map(lambda g: jax.lax.psum(g, "pp"), g_rest), acc)
