@@ -94,13 +94,9 @@ def in_pipelined_stack(m: ModelConfig) -> tuple[bool, ...]:
     """For each parameter of `abstract_params` (same order): whether it is a layer of the
     stack that pp splits into stages (`sharding/pipeline.py`'s, the MoE stack of an MoE
     model); the other stacks (an MoE model's dense layers) stay whole on every stage."""
-    import jax
-    from flax import nnx
-
     from jaxllm.sharding.pipeline import STACK
 
-    paths = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(_abstract_state(m)))[0]
-    return tuple(getattr(p[0], "key", None) == STACK for p, _ in paths)
+    return tuple(k == STACK for k in _top_keys(m))
 
 
 def _shard_elems(rules: Rules, shape, names, kind: str) -> float:
