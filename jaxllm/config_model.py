@@ -215,7 +215,8 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head before RoPE (Qwen3)
     remat: Literal["none", "full", "dots"] = "full"  # per-block rematerialisation
     # the scan over the layer stack unrolled in the compiled step (model/decoder.py): faster
-    # on GPUs, compile time growing with depth; the planner's memory model is the rolled loop's
+    # on GPUs, compile time growing with depth; the planner counts its memory apart
+    # (plan/unrolled.py: outside a pipeline, without MTP modules)
     unroll_layers: bool = False
     max_seq_len: int = 2048  # longest sequence generation may build a cache for
     mtp_depth: int = 0  # multi-token-prediction modules (speculative drafting)

@@ -29,9 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # dense pipeline (1f1b) over dp at ZeRO-1 / MoE under a 1f1b pipeline with ep (the dense
 # layer in the first stage) and under gpipe (the dense layer under the first stage's
 # lax.cond, kept per tick) / MLA under full remat / two MTP modules on a 1f1b pipeline's
-# last stage (their head's backward tick)
+# last stage (their head's backward tick) / the layer loop unrolled under full remat over
+# dp (every layer's recomputation live at once) and without remat over fsdp (every
+# layer's gradient whole until the reduce-scatter)
 CHECKED = ["moe_ep4_fsdp2", "moe_ep4_fsdp2_dots", "moe_dp4_tp2_dots", "pp2_dp4_z1",
-           "moe_pp2_1f1b_ep2", "moe_pp2_gpipe_ep2", "mla_dp8_full", "mtp_pp2_1f1b"]
+           "moe_pp2_1f1b_ep2", "moe_pp2_gpipe_ep2", "mla_dp8_full", "mtp_pp2_1f1b",
+           "dp8_full_unroll", "fsdp8_unroll"]
 
 
 def test_planned_memory_matches_compiled_step():
@@ -43,6 +46,19 @@ def test_planned_memory_matches_compiled_step():
     assert [row[0] for row in rows] == CHECKED
     for row in rows:
         assert abs(float(row[3]) - 1) < 0.05, row
+
+
+def test_unrolled_memory_note_only_where_not_modelled():
+    """The report says the memory is the rolled loop's only for an unrolled layer loop the
+    planner does not model (a pipeline's); an unrolled step outside one is counted apart."""
+    note = "memory as the rolled layer loop holds it"
+    base = ["model.unroll_layers=true", "model.n_layers=2"]
+    flat = plan(load_config("configs/tiny.yaml", base), "h100", 1)
+    piped = plan(load_config("configs/tiny.yaml", base + ["parallelism.pp=2",
+                                                          "train.microbatches=2"]), "h100", 2)
+    rolled = plan(load_config("configs/tiny.yaml", ["model.n_layers=2"]), "h100", 1)
+    assert note not in render(flat) and note in render(piped)
+    assert flat.train_memory.total != rolled.train_memory.total
 
 
 def test_states_follow_the_zero_formula():

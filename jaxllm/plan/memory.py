@@ -25,6 +25,9 @@ Training, per device, with local tokens T = (B / (dp·fsdp·ep) / microbatches) 
     logits       f32 [T, V/tp] logits, their exponentials kept for the backward, and the
                  gradient of the logits
 
+With model.unroll_layers (outside a pipeline, without MTP modules) XLA holds the step
+otherwise: `unrolled.py` counts it.
+
 The buffers beyond the parameter and activation counts (the gradients' copies, the
 working set) are what XLA's buffer assignment holds at the step's peak on the CPU;
 `benchmarks/plan_check.py --cpu` sets the sum beside `memory_analysis()` for every layout
@@ -44,7 +47,7 @@ from jaxllm.plan.activations import (BACKWARD_WORKING_SET, DTYPE_BYTES, expert_b
                                      expert_weight_slices, experts_saved,
                                      resolved_attention_impl,
                                      ring_saved_per_token, saved_per_token)
-from jaxllm.plan import mtp
+from jaxllm.plan import mtp, unrolled
 from jaxllm.plan.flops import stage_layers, stage_moe_layers
 from jaxllm.sharding.rules import Rules
 
@@ -224,6 +227,11 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
     n_moe = stage_moe_layers(m, sizes["pp"])
     stacked = (layers - n_moe) * saved(False) + (n_moe * saved(True) if n_moe else 0.0)
     batch_bytes = 2 * 4 * rows * seq * micro
+    if unrolled.modelled(cfg, sizes):
+        grads, acts, logits = unrolled.unrolled_memory(cfg, sizes, states, tokens, layers,
+                                                       n_moe, impl, remat, platform)
+        return TrainMemory(states.params, states.opt_state, grads, acts, logits,
+                           batch_bytes)
     if sizes["pp"] > 1 and n_moe and p.pp_schedule != "1f1b":
         # its peak is the backward at the experts, the logits gone
         acts = mirrored_moe_activations(cfg, sizes, micro, remat, tokens, states, saved,

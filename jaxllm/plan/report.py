@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from jaxllm.config import Config, ConfigError
+from jaxllm.plan import unrolled
 from jaxllm.plan.comm import Collective, train_collectives
 from jaxllm.plan.flops import TrainFlops, pipeline_of, train_flops
 from jaxllm.plan.hardware import Hardware, get_hardware
@@ -203,9 +204,9 @@ def render(p: Plan, width: int = 110) -> str:
         tab.add_row(k, _gib(v))
     tab.add_row("HBM", _gib(hw.hbm) + ("" if p.fits else "  (does not fit)"))
     con.print(tab)
-    if m.unroll_layers:
-        con.print("memory as the rolled layer loop holds it: with model.unroll_layers XLA "
-                  "schedules the unrolled step otherwise (docs/planning.md)")
+    if m.unroll_layers and not unrolled.modelled(p.cfg, p.sizes):
+        con.print("memory as the rolled layer loop holds it: the unrolled step's is modelled "
+                  "only outside a pipeline and without MTP modules (docs/planning.md)")
 
     tab = Table(title="training step per device")
     tab.add_column("figure")

@@ -1,0 +1,76 @@
+"""Training memory of a step whose layer loop is unrolled (`model.unroll_layers`).
+
+The rolled scan (`memory.py`) carries what the backward pass reads as stacks: each saved
+intermediate is written into an [L, ...] buffer by the forward loop and read back by the
+backward one, each layer's gradient is summed into the stacked gradient in its ZeRO
+layout inside the loop, and remat bounds what is live to the saved stack plus one layer's
+recomputation. Unrolled, there is no loop to order the layers, and XLA's buffer
+assignment on the CPU holds at the step's peak (the first layers' backward):
+
+    gradients    every layer's whole in the compute layout (the reduce-scatter into the
+                 ZeRO layout is scheduled after the backward pass, not per layer), and the
+                 embedding's and head's once, not four times
+    activations  every layer's intermediates, as without remat, under every remat policy:
+                 the recomputation that remat inserts depends only on the layer's saved
+                 input, so the scheduler runs every layer's early in the backward pass and
+                 their intermediates wait for their layer's turn. Of the rolled "none"
+                 count (`saved_per_token`), about 0.9 of the layer's intermediates and
+                 half its attention scores are kept (XLA fuses the cheap elementwise
+                 ones into their readers instead of storing them), 0.82 under remat
+                 (the recomputation keeps fewer); beside them a working set of 0.21 (0.23
+                 under remat) of one layer's full set; with cp the ring's blocks of every
+                 layer; with MoE layers every layer's experts' rows and, about 0.85 of
+                 them, the experts' backward buffers (`expert_bytes`)
+    logits       as rolled: f32 [T, V/tp] logits, their exponentials and their gradient
+
+Weights are read as static slices of the stack, so no per-layer copy is made. The figures
+are fitted to `memory_analysis()` of the compiled steps (`benchmarks/plan_check.py --cpu`,
+the `*_unroll` layouts); pipelines (pp > 1) and MTP modules are not modelled here and
+keep the rolled count.
+"""
+from __future__ import annotations
+
+from jaxllm.config import Config
+from jaxllm.plan.activations import (attention_scores, expert_bytes, heads_split,
+                                     ring_saved_per_token, saved_per_token)
+
+# Of a layer's intermediates without remat (`saved_per_token(..., "none")`), the share
+# XLA keeps per layer at the unrolled step's peak, by remat policy; its attention scores
+# count half of that.
+UNROLLED_KEPT = {"none": 0.90, "dots": 0.82, "full": 0.82}
+# The working set of the layer being differentiated, in units of its full intermediates.
+UNROLLED_WORKING_SET = {"none": 0.21, "dots": 0.23, "full": 0.23}
+# The share of the experts' backward buffers (`expert_bytes`) live beside them.
+UNROLLED_EXPERT_BACKWARD = 0.85
+
+
+def modelled(cfg: Config, sizes: dict[str, int]) -> bool:
+    """Whether the unrolled step's memory is modelled for this layout: an unrolled layer
+    loop outside a pipeline, without MTP modules."""
+    return cfg.model.unroll_layers and sizes["pp"] == 1 and not cfg.model.mtp_depth
+
+
+def unrolled_memory(cfg: Config, sizes: dict[str, int], states, tokens: float,
+                    layers: int, n_moe: int, impl: str, remat: str,
+                    platform: str) -> tuple[float, float, float]:
+    """(gradients, activations, logits) bytes per device of the unrolled step's peak
+    (`states`: `memory.state_bytes`; `layers` / `n_moe`: the device's layers / MoE ones)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallelism
+    hq, _ = heads_split(m.n_heads, m.n_kv_heads, sizes["tp"])
+    scores = attention_scores(hq, t.seq_len, impl)
+
+    def full(moe: bool) -> float:  # one layer's intermediates per token, without remat
+        return saved_per_token(m, sizes, t.seq_len, impl, "none", p.sequence_parallel, moe)
+
+    kept = UNROLLED_KEPT[remat] * tokens * (
+        (layers - n_moe) * (full(False) - scores / 2)
+        + (n_moe * (full(True) - scores / 2) if n_moe else 0.0))
+    acts = kept + UNROLLED_WORKING_SET[remat] * tokens * full(bool(n_moe))
+    if sizes["cp"] > 1:
+        acts += layers * tokens * ring_saved_per_token(m, sizes)
+    if n_moe:
+        e_saved, e_backward = expert_bytes(m, sizes, tokens, platform)
+        acts += n_moe * e_saved + UNROLLED_EXPERT_BACKWARD * e_backward
+    grads = states.stack_compute + states.grads_unstacked
+    vocab = m.vocab_size / (sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else 1)
+    return grads, acts, 3 * 4 * tokens * vocab
