@@ -25,9 +25,12 @@ The config's model with random weights (speed does not depend on them), bf16 on 
 - prefix caching: --prefix-requests requests sharing a --prefix-len-token prefix, sent one
   after another, with prefix caching on and off: median TTFT.
 - --host-only: the continuous-batching runs alone, through stand-in steps that skip the model
-  (each sample is the sequence's last one + 1), so the engine's counters time the host's work
-  a step (scheduling, the step's arrays, dispatch; outputs) on any machine, e.g. the CPU:
-  the counters (wall clock) and the engine thread's CPU time in each, best of 3 runs.
+  (each sample is the sequence's last one + 1) but take the real step's arguments, so the
+  engine's counters time the host's work a step (scheduling, the step's arrays, dispatch;
+  outputs) on any machine, e.g. the CPU: the counters (wall clock) and the engine thread's
+  CPU time in each, best of 3 runs; then the host's time in one call of a stand-in step
+  (its argument handling: medians of 200) and the prefix-caching runs' TTFT and phases
+  through the stand-ins (--prefix-len, --prefix-requests).
 """
 from __future__ import annotations
 
@@ -116,30 +119,30 @@ def decode_step(engine: Engine, cfg, batch: int, context: tuple[int, int], bw: f
         walls.append(time.perf_counter() - t)
     fn = run._fn("step", b, False)
     dev = jax.device_put(b.pack())
-    pools, out = fn(run.params, run.pools, run.last, dev)
+    pools, out = fn(run.weights, run.pools, run.last, dev)
     jax.block_until_ready(out)
     steps = 50
     t = time.perf_counter()
     for _ in range(steps):
-        pools, out = fn(run.params, pools, out, dev)
+        pools, out = fn(run.weights, pools, out, dev)
     jax.block_until_ready(out)
     device = (time.perf_counter() - t) / steps
     per_window_step = None
     if window > 1:  # the same rows as a decode window: the device time of one of its steps
         b.window[:batch] = window
         wfn, wdev = run._fn("window", b, False), jax.device_put(b.pack())
-        pools, _, out = wfn(run.params, pools, out, wdev)
+        pools, _, out = wfn(run.weights, pools, out, wdev)
         jax.block_until_ready(out)
         t = time.perf_counter()
         for _ in range(steps // window + 1):
-            pools, _, out = wfn(run.params, pools, out, wdev)
+            pools, _, out = wfn(run.weights, pools, out, wdev)
         jax.block_until_ready(out)
         per_window_step = (time.perf_counter() - t) / ((steps // window + 1) * window)
     if profile_dir:  # the kernels of a few steps
         from benchmarks.decode import busy_ns, gpu_kernels
         with jax.profiler.trace(profile_dir):
             for _ in range(5):
-                pools, out = fn(run.params, pools, out, dev)
+                pools, out = fn(run.weights, pools, out, dev)
             jax.block_until_ready(out)
         kernels = gpu_kernels(profile_dir)
         top = [{"kernel": n, "calls/step": c / 5, "us/step": d / 5e3}
@@ -184,7 +187,7 @@ def call_cost(engine: Engine, buckets=(16, 64, 512), n: int = 30) -> list[dict]:
                 if case == "transfer alone":
                     jax.block_until_ready(jax.device_put(host))
                 else:
-                    run.pools, run.last = fn(run.params, run.pools, run.last, arg)
+                    run.pools, run.last = fn(run.weights, run.pools, run.last, arg)
                 times[case].append(time.perf_counter() - t0)
         rows.append({"bucket": t, "buffer KB": host.nbytes / 1024,
                      **{f"{k} ms": 1e3 * statistics.median(v) for k, v in times.items()}})
@@ -305,7 +308,9 @@ def prefix_ttft(engine: Engine, cfg, prefix_len: int, n: int, caching: bool) -> 
 
 def stand_in_device(engine: Engine) -> None:
     """Replace the engine's compiled steps by stand-ins of the same signature that skip the
-    model (a sequence's sample is its last one + 1), so its counters time the host alone."""
+    model (a sequence's sample is its last one + 1), so its counters time the host alone.
+    They keep every argument (none pruned as unused), so a call hands the runtime as many
+    arrays as the real step does."""
     run, vocab = engine.runner, engine.model_config.vocab_size
 
     def step(params, pools, last, buf):
@@ -318,8 +323,8 @@ def stand_in_device(engine: Engine) -> None:
     keys = [("step", t) for t in run.buckets] + [("window", t) for t in run.window_buckets]
     for kind, t in keys:
         buf = jax.ShapeDtypeStruct(run.empty_batch(t).pack().shape, jnp.int32)
-        fn = jax.jit(window if kind == "window" else step, donate_argnums=(1,))
-        fn = fn.lower(run.params, run.pools, run.last, buf).compile()
+        fn = jax.jit(window if kind == "window" else step, donate_argnums=(1,), keep_unused=True)
+        fn = fn.lower(run.weights, run.pools, run.last, buf).compile()
         run._compiled[(kind, t, False)] = run._compiled[(kind, t, True)] = fn
 
 
@@ -474,6 +479,10 @@ def main(argv=None):
                                 min(cfg.model.vocab_size, 32000))
     if args.host_only:
         rows = host_alone(model, cfg, params, engine_kw, prompts, outputs, args.host_profile)
+        engine = Engine(model, cfg, params=params, warm_up=False, **engine_kw)
+        stand_in_device(engine)
+        call_cost(engine, n=200)
+        rows += prefix_rows(engine, cfg, args)
         print_table(rows, title="serving engine (in process), stand-in steps: the host alone")
         write_json(args.json, rows)
         return

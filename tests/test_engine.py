@@ -264,7 +264,7 @@ def test_steps_do_not_branch_on_the_device(setup):
     for sampled in (False, True):
         batch = run.empty_batch(16)
         buf = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32)
-        args = (run.params, run.pools, run.last, buf, batch.layout(), sampled)
+        args = (run.weights, run.pools, run.last, buf, batch.layout(), sampled)
         for text in (run._jit.lower(*args).as_text(),
                      run._jit_window.lower(*args, run.window_steps).as_text()):
             assert "stablehlo.case" not in text and "stablehlo.if" not in text

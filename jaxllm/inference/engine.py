@@ -174,7 +174,8 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, prompt_ids, params, next(self._numbers))
+        req = Request(request_id, prompt_ids, params, next(self._numbers),
+                      prompt_array=ids.copy())  # the caller may reuse its array
         req.seed_words = self._seed(req)
         stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
         hold = max(map(len, params.stop)) - 1 if params.stop else 0

@@ -57,6 +57,7 @@ class Request:
     pending: int = 0
     sample_slot: int = -1  # its sequence slot in the step that samples the pending token
     seed_words: tuple[int, int] = (0, 0)  # its sampling seed as two uint32 words
+    prompt_array: np.ndarray | None = None  # the prompt as int64 ids, where the caller has it
 
     def __post_init__(self):
         self.tokens = list(self.prompt) + list(self.output)
@@ -65,6 +66,12 @@ class Request:
     def known(self) -> int:
         """Tokens it has, the pending one included."""
         return len(self.tokens) + self.pending
+
+    @property
+    def prefix_tokens(self):
+        """Its tokens for a prefix-cache lookup: the prompt's int64 array while it has no
+        output (hashed as it is, without converting the list), else the token list."""
+        return self.tokens if self.output or self.prompt_array is None else self.prompt_array
 
     @property
     def to_compute(self) -> int:
@@ -262,7 +269,7 @@ class Scheduler:
             if req.pending:  # preempted with a token on its way: admit it once it is here
                 break
             if self.prefix_caching:
-                seq, cached = self.allocator.allocate_prefix(req.tokens)
+                seq, cached = self.allocator.allocate_prefix(req.prefix_tokens)
             else:
                 seq, cached = self.allocator.allocate(), 0
             n = min(len(req.tokens) - cached, budget)
