@@ -140,6 +140,18 @@ def add_args(parser: argparse.ArgumentParser, rounds: int | None = 5) -> argpars
     return parser
 
 
+def fill_defaults(args: argparse.Namespace, full: dict, quick: dict,
+                  quick_overrides: list[str] | None = None) -> argparse.Namespace:
+    """Options left unset (None) take their preset: `quick`'s under --quick, else `full`'s.
+    Under --quick, `quick_overrides` go before the config overrides given (args.overrides)."""
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.quick and quick_overrides:
+        args.overrides = list(quick_overrides) + args.overrides
+    return args
+
+
 def write_json(path: str | None, rows: list[dict], **extra) -> None:
     """{"meta": meta(), "rows": rows, **extra} to `path` (nothing when path is None)."""
     if path:

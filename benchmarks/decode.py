@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import add_args, interleaved, print_table, roofline_pct, speedup, write_json
+from benchmarks.common import (add_args, fill_defaults, interleaved, print_table, roofline_pct,
+                               speedup, write_json)
 from jaxllm import build_model, load_config
 from jaxllm.inference.generate import decode_chunk, generate_ids, prefill
 from jaxllm.inference.params import decode_params
@@ -172,11 +173,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--top", type=int, default=12, help="kernels listed by --profile")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.n_layers=8")
     args = add_args(ap).parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.quick:
-        args.overrides = QUICK_OVERRIDES + args.overrides
+    fill_defaults(args, FULL, QUICK, QUICK_OVERRIDES)
     cfg = load_config(args.config, args.overrides)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; {args.config} "
           f"{' '.join(args.overrides)}; prompt {args.prompt_len}, {args.new_tokens} new tokens, "

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import add_args, print_table, time_fn, write_json
+from benchmarks.common import add_args, fill_defaults, print_table, time_fn, write_json
 from jaxllm import build_model, load_config
 from jaxllm.inference.generate import decode_chunk, prefill
 from jaxllm.inference.params import decode_params
@@ -180,9 +180,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--chunks", type=int, default=3, help="decode chunks timed per batch")
     ap.add_argument("overrides", nargs="*", help="config overrides")
     args = add_args(ap, rounds=None).parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, FULL, QUICK)
     overrides = (QUICK_OVERRIDES if args.quick else []) + args.overrides
     variants = [v for v in VARIANTS if v in args.variants.split(",") or v == "new"]
     bad = sorted(set(args.variants.split(",")) - set(VARIANTS))

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import add_args, print_table, write_json
+from benchmarks.common import add_args, fill_defaults, print_table, write_json
 from jaxllm.inference.metrics import RequestTiming, format_table, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -452,9 +452,7 @@ def parse_args(argv):
     cmp.add_argument("--compare-prefix-cache", action="store_true",
                      help="two servers, prefix caching on and off (with --run / --hf)")
     args = add_args(ap, rounds=None).parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, FULL, QUICK)
     if args.run and args.hf:
         ap.error("give one of --run and --hf")
     if not (args.url or args.run or args.hf):

@@ -21,7 +21,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import add_args, print_table, write_json
+from benchmarks.common import add_args, fill_defaults, print_table, write_json
 from jaxllm import load_config
 from jaxllm.train.trainer import device_peak_flops, train
 
@@ -61,11 +61,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--remat", help="comma-separated model.remat values (default: the config's)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. train.seq_len=4096")
     args = add_args(ap, rounds=None).parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.quick:
-        args.overrides = QUICK_OVERRIDES + args.overrides
+    fill_defaults(args, FULL, QUICK, QUICK_OVERRIDES)
     base = args.overrides + ([f"train.batch_size={args.batch}"] if args.batch else [])
     attention = [f"model.attention_impl={a}" for a in args.attention.split(",")] \
         if args.attention else [None]

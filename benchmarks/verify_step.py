@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import add_args, interleaved, print_table, speedup, write_json
+from benchmarks.common import (add_args, fill_defaults, interleaved, print_table, speedup,
+                               write_json)
 from jaxllm import build_model, load_config
 from jaxllm.inference.params import decode_params
 from jaxllm.inference.step import forward, init_cache, round_up
@@ -92,11 +93,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, help=f"steps a device loop (default {FULL['steps']})")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.n_layers=8")
     args = add_args(ap).parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, FULL, QUICK, QUICK_OVERRIDES)
     if args.quick:
-        args.overrides = QUICK_OVERRIDES + args.overrides
         args.rounds = min(args.rounds, 2)
     rows = [int(r) for r in args.rows.split(",")]
     if not all(1 <= r <= MAX_ROWS for r in rows):
