@@ -115,6 +115,11 @@ def saved_per_token(m: ModelConfig, sizes: dict[str, int], kv_len: int, impl: st
             + attention_scores(hq, kv_len, impl))
 
 
+def local_vocab(m: ModelConfig, sizes: dict[str, int]) -> float:
+    """The output head's columns on a device: the vocabulary split over tp where it divides."""
+    return m.vocab_size / (sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else 1)
+
+
 def experts_saved(remat: str) -> bool:
     """Whether each MoE layer's routed experts' rows (`expert_bytes`' saved) stay until its
     backward: only without remat. Under "dots" and "full" the layer being differentiated

@@ -44,7 +44,7 @@ import numpy as np
 
 from jaxllm.config import Config, ModelConfig
 from jaxllm.plan.activations import (BACKWARD_WORKING_SET, DTYPE_BYTES, expert_bytes,
-                                     expert_weight_slices, experts_saved,
+                                     expert_weight_slices, experts_saved, local_vocab,
                                      resolved_attention_impl,
                                      ring_saved_per_token, saved_per_token)
 from jaxllm.plan import mtp, unrolled
@@ -227,9 +227,10 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
     n_moe = stage_moe_layers(m, sizes["pp"])
     stacked = (layers - n_moe) * saved(False) + (n_moe * saved(True) if n_moe else 0.0)
     batch_bytes = 2 * 4 * rows * seq * micro
+    logits = 3 * 4 * tokens * local_vocab(m, sizes)
     if unrolled.modelled(cfg, sizes):
-        grads, acts, logits = unrolled.unrolled_memory(cfg, sizes, states, tokens, layers,
-                                                       n_moe, impl, remat, platform)
+        grads, acts = unrolled.unrolled_memory(cfg, sizes, states, tokens, layers, n_moe,
+                                               impl, remat, platform)
         return TrainMemory(states.params, states.opt_state, grads, acts, logits,
                            batch_bytes)
     if sizes["pp"] > 1 and n_moe and p.pp_schedule != "1f1b":
@@ -268,8 +269,6 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
         grads += mtp.main_backward_extra(m, states.table)
     if sizes["cp"] > 1:  # the ring's key/value blocks and partial outputs of every step
         acts += layers * tokens * ring_saved_per_token(m, sizes)
-    vocab = m.vocab_size / (sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else 1)
-    logits = 3 * 4 * tokens * vocab
     if n_moe:
         e_saved, e_backward = expert_bytes(m, sizes, tokens, platform)
         kept = experts_saved(remat)

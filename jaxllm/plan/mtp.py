@@ -32,7 +32,7 @@ and its logits (`module_saved`).
 from __future__ import annotations
 
 from jaxllm.config import ModelConfig
-from jaxllm.plan.activations import DTYPE_BYTES, expert_bytes, saved_per_token
+from jaxllm.plan.activations import DTYPE_BYTES, expert_bytes, local_vocab, saved_per_token
 
 
 def module_saved(m: ModelConfig, sizes: dict[str, int], tokens: float, kv_len: int,
@@ -47,8 +47,7 @@ def module_saved(m: ModelConfig, sizes: dict[str, int], tokens: float, kv_len: i
     per_token = (saved_per_token(m, sizes, kv_len, impl, "none", sequence_parallel, moe)
                  + 2 * c * m.d_model)
     if in_cond:
-        vocab = m.vocab_size / (sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else 1)
-        per_token += 5 * c * m.d_model + 5 * vocab
+        per_token += 5 * c * m.d_model + 5 * local_vocab(m, sizes)
     rows = expert_bytes(m, sizes, tokens, platform)[0] if moe else 0.0
     return tokens * per_token + rows
 

@@ -52,8 +52,9 @@ def modelled(cfg: Config, sizes: dict[str, int]) -> bool:
 
 def unrolled_memory(cfg: Config, sizes: dict[str, int], states, tokens: float,
                     layers: int, n_moe: int, impl: str, remat: str,
-                    platform: str) -> tuple[float, float, float]:
-    """(gradients, activations, logits) bytes per device of the unrolled step's peak
+                    platform: str) -> tuple[float, float]:
+    """(gradients, activations) bytes per device of the unrolled step's peak (the logits
+    as rolled)
     (`states`: `memory.state_bytes`; `layers` / `n_moe`: the device's layers / MoE ones)."""
     m, t, p = cfg.model, cfg.train, cfg.parallelism
     hq, _ = heads_split(m.n_heads, m.n_kv_heads, sizes["tp"])
@@ -71,6 +72,4 @@ def unrolled_memory(cfg: Config, sizes: dict[str, int], states, tokens: float,
     if n_moe:
         e_saved, e_backward = expert_bytes(m, sizes, tokens, platform)
         acts += n_moe * e_saved + UNROLLED_EXPERT_BACKWARD * e_backward
-    grads = states.stack_compute + states.grads_unstacked
-    vocab = m.vocab_size / (sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else 1)
-    return grads, acts, 3 * 4 * tokens * vocab
+    return states.stack_compute + states.grads_unstacked, acts
