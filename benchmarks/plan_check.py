@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/plan_check.py --cpu [--configs NAME ...]   # memory sweep
     PYTHONPATH=. python benchmarks/plan_check.py --gpu [--config configs/llama_1b.yaml]
         [--batches 1 32 64] [--prompt-len 1024] [--new-tokens 128] [--quick]
+    PYTHONPATH=. python benchmarks/plan_check.py --gpu-memory [--configs NAME ...]
 
 --cpu compiles the train step of tiny models (dense, MoE, MLA) on 8 simulated CPU devices
 for every layout of CONFIGS (dp, fsdp, ZeRO 0-3, tp, sequence parallel, cp, ep, pp with
@@ -12,6 +13,10 @@ and prints the planner's peak bytes per device beside the compiler's (`memory_an
 arguments + temporaries + outputs not aliased to donated arguments), their ratio, and how
 many are within 5%.
 It sets the devices and XLA's fast-compile flag itself.
+
+--gpu-memory compiles (does not run) the train steps of GPU_LAYOUTS on one GPU (the
+one-GPU configs at four layers, unrolled and rolled, under each remat policy) and prints
+the same comparison against the planner's GPU count.
 
 --gpu first measures this device's ceilings into measured.yaml (a bf16 8192^3 matmul; an
 HBM copy, read + write bytes; the fixed cost of a kernel; the config's flash attention
@@ -134,6 +139,19 @@ UNROLLED = ["dp8", "dp8_z2", "fsdp8", "dp4_fsdp2", "dp4_tp2", "dp4_tp2_sp", "dp4
             "dp4_tp2_full", "moe_dp2_ep2_tp2", "moe_dp8_dots", "moe_ep4_fsdp2"]
 CONFIGS.update({f"{name}_unroll": CONFIGS[name] + ["model.unroll_layers=true"]
                 for name in UNROLLED})
+# --gpu-memory: the one-GPU configs at four layers (the shares are a layer's), unrolled as
+# the configs are and rolled, under each remat policy; a config path, then overrides
+ONE_GPU = {"1b": "configs/llama_1b.yaml", "mla": "configs/deepseek_mla_1gpu.yaml",
+           "moe": "configs/deepseek_moe_1gpu.yaml"}
+GPU_LAYOUTS = {
+    f"{model}_{remat}_b{batch}{'_rolled' if rolled else ''}":
+        [ONE_GPU[model], "model.n_layers=4", f"model.remat={remat}",
+         f"train.batch_size={batch}"] + (["model.unroll_layers=false"] if rolled else [])
+    for model, remat, batch, rolled in [
+        ("1b", "none", 8, False), ("1b", "none", 4, False), ("1b", "dots", 8, False),
+        ("1b", "full", 8, False), ("1b", "none", 8, True), ("1b", "full", 8, True),
+        ("mla", "none", 8, False), ("mla", "none", 8, True), ("moe", "dots", 8, False),
+        ("moe", "dots", 8, True)]}
 KNOWN_MISSES = ("dp2_tp4", "dp2_cp4", "fsdp8_b32_dots", "pp2_gpipe_full", "pp2_fsdp4_l4",
                 "pp2_dp2_tp2_l4", "moe_dp8_dots", "moe_ep8_dots", "pp2_dp2_tp2",
                 "dp4_tp2_full_unroll", "moe_dp2_ep2_tp2_unroll", "moe_dp8_dots_unroll",
@@ -149,7 +167,17 @@ def load(name: str):
     return load_config(path, BASE + [o for o in overrides if not o.endswith(".yaml")])
 
 
-def cpu_sweep(names: list[str]) -> list[dict]:
+def load_gpu(name: str):
+    """The config of a GPU_LAYOUTS entry, on one device."""
+    from jaxllm.config import load_config
+
+    path, *overrides = GPU_LAYOUTS[name]
+    return load_config(path, ["parallelism.dp=1", "checkpoint.enabled=false", *overrides])
+
+
+def cpu_sweep(names: list[str], gpu: bool = False) -> list[dict]:
+    """Planned against compiled peak memory per device for each layout: CONFIGS on the 8
+    CPU devices, or with `gpu` GPU_LAYOUTS on one GPU (compiled, not run)."""
     import jax
 
     from benchmarks.common import print_table
@@ -160,21 +188,23 @@ def cpu_sweep(names: list[str]) -> list[dict]:
 
     rows = []
     for name in names:
-        cfg = load(name)
+        cfg = load_gpu(name) if gpu else load(name)
         t = time.perf_counter()
-        plan = sharding_plan(cfg)
+        plan = sharding_plan(cfg, devices=jax.devices()[:1] if gpu else None)
         fns = make_train_fns(cfg, plan.graphdef, plan)
         peak = compiled_peak(step_memory(fns.step, plan, fns.tx))
-        mem = train_memory(cfg, mesh_shape(cfg.parallelism, jax.device_count()),
-                           platform="cpu")
+        mem = train_memory(cfg, mesh_shape(cfg.parallelism, 1 if gpu else jax.device_count()),
+                           platform="gpu" if gpu else "cpu")
         rows.append({"config": name, "planned MB": mem.total / 2**20,
                      "compiled MB": peak / 2**20, "ratio": f"{mem.total / peak:.3f}",
                      "compile s": time.perf_counter() - t})
         print(rows[-1], flush=True)
-    print_table(rows, title="peak memory per device: planner vs compiler (8 CPU devices)")
+    print_table(rows, title="peak memory per device: planner vs compiler ("
+                            + ("one GPU" if gpu else "8 CPU devices") + ")")
     out = [r["config"] for r in rows if abs(float(r["ratio"]) - 1) >= 0.05]
     print(f"{len(rows) - len(out)} of {len(rows)} within 5%; outside: {', '.join(out) or '-'}"
-          + "".join(f"; {c} is not a known miss" for c in out if c not in KNOWN_MISSES))
+          + ("" if gpu else "".join(f"; {c} is not a known miss" for c in out
+                                    if c not in KNOWN_MISSES)))
     return rows
 
 
@@ -426,7 +456,10 @@ def main(argv=None):
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--cpu", action="store_true", help="memory sweep on 8 CPU devices")
     mode.add_argument("--gpu", action="store_true", help="times on this GPU")
-    ap.add_argument("--configs", nargs="+", default=None, help=f"--cpu: of {list(CONFIGS)}")
+    mode.add_argument("--gpu-memory", action="store_true",
+                      help="compiled memory of GPU_LAYOUTS on this GPU")
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help=f"--cpu: of {list(CONFIGS)}; --gpu-memory: of {list(GPU_LAYOUTS)}")
     ap.add_argument("--config", default="configs/llama_1b.yaml")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--measured", default="measured.yaml")
@@ -438,6 +471,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.cpu:
         return cpu_sweep(args.configs or list(CONFIGS))
+    if args.gpu_memory:
+        return cpu_sweep(args.configs or list(GPU_LAYOUTS), gpu=True)
     return gpu_check(args)
 
 

@@ -298,6 +298,32 @@ def test_fused_decode_step_equals_a_hand_count():
     assert inference_kernels(cfg, 1, 1, ctx, prefill=False).seconds(hw) > want
 
 
+def test_mla_decode_step_reads_the_live_latents_once():
+    """An MLA decode step of one token a row runs `kernels.mla_decode`: its latent reads
+    follow the live context, not the cache buffer, and all heads share them (MQA over the
+    latent); the split merge appears where the kernel splits the context."""
+    from jaxllm.plan.kernel_infer import inference_kernels, mla_decode_splits
+    cfg = load_config("configs/tiny_mla.yaml", ["model.dtype=bfloat16"])
+    m = cfg.model
+    dk = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
+
+    def attention_bytes(batch, ctx, cache_len):
+        kt = inference_kernels(cfg, batch, 1, ctx, prefill=False, cache_len=cache_len)
+        return sum(k.launches * k.bytes for k in kt.kernels if k.what == "attention")
+
+    latents = lambda batch, ctx: m.n_layers * batch * ctx * dk * 2
+    for batch in (1, 8):
+        assert mla_decode_splits(m, batch, 4096) > 1  # a few rows leave SMs to fill
+        grow = attention_bytes(batch, 3000, 4096) - attention_bytes(batch, 1000, 4096)
+        assert grow == latents(batch, 2000)  # the live latents, once for all heads
+    assert mla_decode_splits(m, 1024, 4096) == 1  # enough rows: one split, no merge
+    assert attention_bytes(1024, 1000, 4096) == attention_bytes(1024, 1000, 8192)
+    # a verification step (several tokens a row) runs einsums over the whole buffer
+    kt = inference_kernels(cfg, 1, 4, 1000, prefill=False, cache_len=4096)
+    assert sum(k.launches * k.bytes for k in kt.kernels if k.what == "attention") > \
+        latents(1, 4096)
+
+
 def test_measured_kernel_ceilings(tmp_path):
     """A measured file's matmul shapes, attention rates and fixed cost reach the kernels."""
     cfg = load_config("configs/llama_1b.yaml", ["parallelism.dp=1"])

@@ -211,12 +211,19 @@ def _rejects(e: Impl, args) -> str | None:
     return _load(e.check)(*args) if e.check else None
 
 
-def _auto_order(op: str, args) -> tuple[str, ...]:
-    platform = _platform()
-    d, rows = (args[0].shape[-1], args[0].shape[-2]) if args else (None, None)
+def auto_order(op: str, platform: str, head_dim: int | None = None,
+               rows: int | None = None) -> tuple[str, ...]:
+    """What "auto" tries for `op` on `platform` ("gpu", "cpu", ...) with inputs of this
+    head dim and rows (None: unknown), in order: the first matching rule of AUTO. The
+    planner asks it without arrays; `pick` with the inputs' own."""
     return next(r.names for r in AUTO if r.op == op and r.platform in (platform, None)
-                and (r.head_dims is None or d in r.head_dims)
+                and (r.head_dims is None or head_dim in r.head_dims)
                 and (not r.min_rows or (rows is not None and rows >= r.min_rows)))
+
+
+def _auto_order(op: str, args) -> tuple[str, ...]:
+    d, rows = (args[0].shape[-1], args[0].shape[-2]) if args else (None, None)
+    return auto_order(op, _platform(), d, rows)
 
 
 def _choice(e: Impl, need_lse: bool) -> Choice:

@@ -8,16 +8,21 @@ the live K/V), o, the residual, the norm, gate/up, SwiGLU, down, the residual; p
 head runs over every prompt position (f32 logits). A step of one row over a contiguous
 cache (`params.fused_rows`) runs each layer in five fused kernels (q/k/v with norm, RoPE
 and cache write; attention; o with the residual; norm with gate/up and SwiGLU; down with
-the residual), each reading its weights. MLA decoding runs the absorbed form over the
-whole cache buffer (`LatentCache.attend`: scores, mask, softmax, the latent's value part
-sliced out, the values), MoE decoding the routed experts of `expert_ffn` with the grouped
-matmul reading the experts the batch's tokens choose and computing its tiles' rows
-(`gmm_rows`), after its work items (GMM_SETUP_KERNELS). Each step adds the embedding, the
-final norm, the head, the sampling and the decode loop's own bookkeeping (DECODE_STEP_KERNELS).
+the residual), each reading its weights. MLA decoding runs the absorbed form: the key
+up-projection folded into the query, `kernels.mla_decode` over the live latents (its
+context splits merged after it), the value up-projection; a verification step of several
+tokens a row runs einsums over the whole buffer (`LatentCache.attend`). MoE decoding runs
+the routed experts of `expert_ffn` with the grouped matmul reading the experts the batch's
+tokens choose and computing its tiles' rows (`gmm_rows`), after its work items
+(GMM_SETUP_KERNELS). Each step adds the embedding, the final norm, the head, the sampling
+and the decode loop's own bookkeeping (DECODE_STEP_KERNELS).
 """
 from __future__ import annotations
 
+import math
+
 from jaxllm.config import Config, ModelConfig
+from jaxllm.kernels.registry import auto_order
 from jaxllm.plan.activations import DTYPE_BYTES
 from jaxllm.plan.kernel_time import (ROUTING_KERNELS, SORT_KERNELS, Kernel, KernelTime,
                                      attention_flops_fwd, attention_head_dims, heads, repeated,
@@ -32,6 +37,8 @@ DECODE_STEP_KERNELS = 8
 # grouped matmuls share the rows and tiles, so XLA computes them once.
 GMM_SETUP_KERNELS = 6
 GMM_SETUP_BYTES = 64 * 1024
+# Streaming multiprocessors the decode kernels fill with context splits (H100 / H200 SXM).
+SMS = 132
 
 
 def _gemm(m_rows: int, k: int, n: int, c: float, what: str = "matmul",
@@ -124,6 +131,40 @@ def _gqa_layer(m: ModelConfig, B: int, S: int, ctx: int, c: float, tp: int, pref
     return ks + _ffn_kernels(m, T, c, tp, moe)
 
 
+def mla_decode_splits(m: ModelConfig, B: int, cache_len: int, sms: int = SMS) -> int:
+    """Context splits of one MLA decode call over a contiguous cache of `cache_len` tokens
+    (seen as 64-token pages where the length allows): the Triton kernel below 64 heads
+    fills about two programs an SM (at most one split a 64-token step), the Mosaic kernel
+    at 64 or more one CTA an SM (32-token tiles) (`kernels.pallas.mla_triton` /
+    `mla_mosaic`'s defaults)."""
+    H = m.n_heads
+    if auto_order("mla", "gpu", rows=H)[0] == "pallas_mosaic":
+        programs, steps, waves = B * -(-H // 64), -(-cache_len // 32), 1
+    else:
+        block_h = min(max(16, 1 << (H - 1).bit_length()), 32)
+        programs, waves = B * -(-H // block_h), 2
+        steps = -(-cache_len // max(64, math.gcd(cache_len, 64)))
+    return max(1, min(waves * sms // programs, steps))
+
+
+def _mla_decode_kernels(m: ModelConfig, B: int, ctx: int, cache_len: int, c: float
+                        ) -> list[Kernel]:
+    """`kernels.mla_decode` for B rows of one token over `ctx` live latents: it reads
+    those latents once for every head (MQA over the latent: scores over rank + rope
+    columns, values over the rank); with several splits, partials in float32 and their
+    log-sum-exp merge (a reduction, then the weighted sum)."""
+    a, H = m.mla, m.n_heads
+    r, dk = a.kv_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim
+    splits = mla_decode_splits(m, B, cache_len)
+    out = B * H * r * (c if splits == 1 else 4 * splits) + (B * H * splits * 4 if splits > 1
+                                                             else 0)
+    ks = [Kernel("attention", 1, 2 * B * H * ctx * (dk + r),
+                 B * ctx * dk * c + B * H * dk * c + out)]
+    if splits > 1:
+        ks.append(_ew("attention", out + B * H * r * c, 2))
+    return ks
+
+
 def _mla_layer(m: ModelConfig, B: int, S: int, ctx: int, cache_len: int, c: float,
                prefill: bool, moe: bool) -> list[Kernel]:
     a, d, H = m.mla, m.d_model, m.n_heads
@@ -148,8 +189,14 @@ def _mla_layer(m: ModelConfig, B: int, S: int, ctx: int, cache_len: int, c: floa
             ks.append(_ew("copy", 2 * (Q + K) * (1 + dqk_p / a.qk_head_dim) / 2, 2))
         ks.append(Kernel("attention", 1, attention_flops_fwd(m, B, S, S, H), 2 * Q + 2 * Vb,
                          "attn_fwd"))
-    else:
-        lat = B * cache_len * (r + rope) * c  # the whole buffer: the einsums read it all
+    elif S == 1:  # q into the latent, [q_lat | q_rope], the MLA decode kernel (+ merge)
+        ks += [Kernel("matmul", 1, 2 * T * H * nope * r, c * (T * H * nope + H * nope * r
+                                                              + T * H * r)),
+               _ew("elementwise", 2 * T * H * (r + rope) * c),
+               *_mla_decode_kernels(m, B, ctx, cache_len, c),
+               Kernel("matmul", 1, 2 * T * H * r * dv, c * (T * H * r + H * r * dv + T * H * dv))]
+    else:  # several tokens a row (verification): einsums over the whole buffer
+        lat = B * cache_len * (r + rope) * c
         sc = B * H * S * cache_len * 4
         ks += [Kernel("matmul", 1, 2 * T * H * nope * r, c * (T * H * nope + H * nope * r
                                                               + T * H * r)),  # q into the latent

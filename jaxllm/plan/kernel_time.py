@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass, field
 
 from jaxllm.config import Config, ModelConfig
-from jaxllm.plan.activations import DTYPE_BYTES, heads_split, resolved_attention_impl
+from jaxllm.kernels.registry import auto_order
+from jaxllm.plan.activations import DTYPE_BYTES, heads_split
 from jaxllm.plan.flops import stage_layers
 from jaxllm.plan.hardware import Hardware
 
@@ -101,13 +102,12 @@ def heads(m: ModelConfig, tp: int) -> tuple[int, int, int]:
 
 
 def flash_impl(m: ModelConfig) -> str:
-    """The flash kernel the model runs on a GPU: model.attention_impl, and for "auto" the
-    Triton kernel where query-key and value dims differ (MLA: cuDNN and the Mosaic
-    kernel take equal dims), else cuDNN (`kernels/registry.py`)."""
-    dqk, dv = attention_head_dims(m)
+    """The flash kernel the model runs on a (Hopper) GPU: model.attention_impl, and for
+    "auto" the first of the registry's auto order for its query-key head dim (the Mosaic
+    kernel at 128 and MLA's 192, cuDNN at 64 and 256)."""
     if m.attention_impl != "auto":
         return m.attention_impl
-    return "pallas_triton" if dqk != dv else resolved_attention_impl(m, "gpu")
+    return auto_order("flash", "gpu", attention_head_dims(m)[0])[0]
 
 
 def attention_head_dims(m: ModelConfig, padded: bool = False) -> tuple[int, int]:
