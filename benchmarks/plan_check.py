@@ -148,7 +148,7 @@ GPU_LAYOUTS = {
         [ONE_GPU[model], "model.n_layers=4", f"model.remat={remat}",
          f"train.batch_size={batch}"] + (["model.unroll_layers=false"] if rolled else [])
     for model, remat, batch, rolled in [
-        ("1b", "none", 8, False), ("1b", "none", 4, False), ("1b", "dots", 8, False),
+        ("1b", "none", 8, False), ("1b", "none", 16, False), ("1b", "dots", 8, False),
         ("1b", "full", 8, False), ("1b", "none", 8, True), ("1b", "full", 8, True),
         ("mla", "none", 8, False), ("mla", "none", 8, True), ("moe", "dots", 8, False),
         ("moe", "dots", 8, True)]}
