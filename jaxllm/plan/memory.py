@@ -231,6 +231,8 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
     if unrolled.modelled(cfg, sizes):
         grads, acts = unrolled.unrolled_memory(cfg, sizes, states, tokens, layers, n_moe,
                                                impl, remat, platform)
+        if platform != "cpu":
+            logits *= unrolled.GPU_LOGITS_COPIES / 3
         return TrainMemory(states.params, states.opt_state, grads, acts, logits,
                            batch_bytes)
     if sizes["pp"] > 1 and n_moe and p.pp_schedule != "1f1b":

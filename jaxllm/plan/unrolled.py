@@ -27,6 +27,13 @@ Weights are read as static slices of the stack, so no per-layer copy is made. Th
 are fitted to `memory_analysis()` of the compiled steps (`benchmarks/plan_check.py --cpu`,
 the `*_unroll` layouts); pipelines (pp > 1) and MTP modules are not modelled here and
 keep the rolled count.
+
+XLA's GPU compiler keeps far less (`plan_check.py --gpu-memory`: the one-GPU configs at 4,
+16 and 20 layers on an H100): each layer keeps what its remat policy saves, as the rolled
+scan does (the layer's input under "full", about 0.65 of the rolled count under "dots",
+0.55 of it without remat: its fusions recompute the cheap elementwise intermediates instead
+of storing them), no working set of the layer in the backward beyond that, no experts'
+buffers past the dots count, and one float32 copy of the logits, not three.
 """
 from __future__ import annotations
 
@@ -42,6 +49,11 @@ UNROLLED_KEPT = {"none": 0.90, "dots": 0.82, "full": 0.82}
 UNROLLED_WORKING_SET = {"none": 0.21, "dots": 0.23, "full": 0.23}
 # The share of the experts' backward buffers (`expert_bytes`) live beside them.
 UNROLLED_EXPERT_BACKWARD = 0.85
+# On a GPU: of a layer's saved bytes under its own remat policy
+# (`saved_per_token(..., remat)`), the share kept per layer at the peak; and the copies of
+# the float32 logits live there (the CPU: 3, as rolled).
+GPU_UNROLLED_KEPT = {"none": 0.55, "dots": 0.65, "full": 1.0}
+GPU_LOGITS_COPIES = 1
 
 
 def modelled(cfg: Config, sizes: dict[str, int]) -> bool:
@@ -60,8 +72,17 @@ def unrolled_memory(cfg: Config, sizes: dict[str, int], states, tokens: float,
     hq, _ = heads_split(m.n_heads, m.n_kv_heads, sizes["tp"])
     scores = attention_scores(hq, t.seq_len, impl)
 
-    def full(moe: bool) -> float:  # one layer's intermediates per token, without remat
-        return saved_per_token(m, sizes, t.seq_len, impl, "none", p.sequence_parallel, moe)
+    def full(moe: bool, policy: str = "none") -> float:  # one layer's bytes per token
+        return saved_per_token(m, sizes, t.seq_len, impl, policy, p.sequence_parallel, moe)
+
+    grads = states.stack_compute + states.grads_unstacked
+    if platform != "cpu":
+        acts = GPU_UNROLLED_KEPT[remat] * tokens * (
+            (layers - n_moe) * full(False, remat) + (n_moe * full(True, remat) if n_moe
+                                                      else 0.0))
+        if sizes["cp"] > 1:
+            acts += layers * tokens * ring_saved_per_token(m, sizes)
+        return grads, acts
 
     kept = UNROLLED_KEPT[remat] * tokens * (
         (layers - n_moe) * (full(False) - scores / 2)
@@ -72,4 +93,4 @@ def unrolled_memory(cfg: Config, sizes: dict[str, int], states, tokens: float,
     if n_moe:
         e_saved, e_backward = expert_bytes(m, sizes, tokens, platform)
         acts += n_moe * e_saved + UNROLLED_EXPERT_BACKWARD * e_backward
-    return states.stack_compute + states.grads_unstacked, acts
+    return grads, acts
