@@ -133,18 +133,14 @@ def _gqa_layer(m: ModelConfig, B: int, S: int, ctx: int, c: float, tp: int, pref
 
 def mla_decode_splits(m: ModelConfig, B: int, cache_len: int, sms: int = SMS) -> int:
     """Context splits of one MLA decode call over a contiguous cache of `cache_len` tokens
-    (seen as 64-token pages where the length allows): the Triton kernel below 64 heads
-    fills about two programs an SM (at most one split a 64-token step), the Mosaic kernel
-    at 64 or more one CTA an SM (32-token tiles) (`kernels.pallas.mla_triton` /
-    `mla_mosaic`'s defaults)."""
-    H = m.n_heads
-    if auto_order("mla", "gpu", rows=H)[0] == "pallas_mosaic":
-        programs, steps, waves = B * -(-H // 64), -(-cache_len // 32), 1
-    else:
-        block_h = min(max(16, 1 << (H - 1).bit_length()), 32)
-        programs, waves = B * -(-H // block_h), 2
-        steps = -(-cache_len // max(64, math.gcd(cache_len, 64)))
-    return max(1, min(waves * sms // programs, steps))
+    (`LatentCache.attend`: pages of gcd(cache_len, 64) tokens): the default of the kernel
+    "auto" picks for the model's heads."""
+    from jaxllm.kernels.pallas import mla_mosaic, mla_triton
+
+    kernel = (mla_mosaic if auto_order("mla", "gpu", rows=m.n_heads)[0] == "pallas_mosaic"
+              else mla_triton)
+    page = math.gcd(cache_len, 64)
+    return kernel.default_splits(B, m.n_heads, cache_len // page, page, sms)
 
 
 def _mla_decode_kernels(m: ModelConfig, B: int, ctx: int, cache_len: int, c: float

@@ -269,6 +269,15 @@ def _sm_count(sim: bool) -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
+def default_splits(batch: int, hq: int, n_table: int, page: int, sms: int,
+                   block_k: int = 32) -> int:
+    """The context splits `mla_decode` takes by default for `batch` rows of `hq` heads over
+    tables of `n_table` pages of `page` tokens, on a GPU of `sms` SMs: one wave of one CTA
+    an SM, at most one split a tile (before its rounding to whole tiles a split)."""
+    n_tiles = -(-n_table * page // block_k)
+    return max(1, min(sms // (batch * (mg.round_up(hq, HEADS) // HEADS)), n_tiles))
+
+
 @functools.partial(jax.jit, static_argnames=("v_dim", "sm_scale", "block_k", "num_stages",
                                              "num_splits", "interpret"))
 def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: float, layer=None,
@@ -315,7 +324,7 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     head_blocks = hq_p // HEADS
     n_tiles = -(-n_table * page // block_k)
     if num_splits is None:
-        num_splits = max(1, _sm_count(interpret) // (batch * head_blocks))
+        num_splits = default_splits(batch, hq, n_table, page, _sm_count(interpret), block_k)
     num_splits = max(1, min(num_splits, n_tiles))
     tiles_per_split = -(-n_tiles // num_splits)
     num_splits = -(-n_tiles // tiles_per_split)

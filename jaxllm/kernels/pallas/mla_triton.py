@@ -158,11 +158,27 @@ def _sm_count() -> int:
     return int(getattr(dev, "core_count", 0) or 132)
 
 
-def _pick_splits(programs: int, n_steps_total: int) -> int:
+def _pick_splits(programs: int, n_steps_total: int, sms: int) -> int:
     """Splits along the context: as many as keep the grid of `programs` (B x head
     blocks) x splits within about two programs an SM (whole waves), at least one and at
     most one a step."""
-    return max(1, min((2 * _sm_count()) // programs, n_steps_total))
+    return max(1, min((2 * sms) // programs, n_steps_total))
+
+
+def _default_block_h(hq: int) -> int:
+    return min(max(_MIN, _pow2(hq)), 32)
+
+
+def _pages_per_step(block_k: int, page_size: int, n_table: int) -> int:
+    return min(block_k // page_size, _pow2(n_table))
+
+
+def default_splits(batch: int, hq: int, n_table: int, page_size: int, sms: int) -> int:
+    """The context splits `mla_decode` takes with its default block sizes for `batch`
+    rows of `hq` heads over tables of `n_table` pages, on a GPU of `sms` SMs (before its
+    rounding to whole steps a split); the planner counts the split merge from it."""
+    steps = pl.cdiv(n_table, _pages_per_step(max(page_size, 64), page_size, n_table))
+    return _pick_splits(batch * pl.cdiv(hq, _default_block_h(hq)), steps, sms)
 
 
 @functools.partial(jax.jit, static_argnames=("v_dim", "sm_scale", "block_h", "block_k",
@@ -196,18 +212,18 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
         raise ValueError(f"v_dim={v_dim} must be in (0, Dk={head_dim}]")
     rope_cols = 0 if v_dim == head_dim else max(_MIN, _pow2(head_dim - v_dim))
 
-    block_h = min(max(_MIN, _pow2(hq)), 32) if block_h is None else block_h
+    block_h = _default_block_h(hq) if block_h is None else block_h
     if block_h < _MIN or block_h & (block_h - 1):
         raise ValueError(f"block_h={block_h} must be a power of two >= {_MIN}")
     block_k = max(page_size, 64) if block_k is None else block_k
     if block_k % page_size or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power-of-two multiple of "
                          f"page_size={page_size}")
-    pages_per_step = min(block_k // page_size, _pow2(n_table))
+    pages_per_step = _pages_per_step(block_k, page_size, n_table)
     n_steps_total = pl.cdiv(n_table, pages_per_step)
     head_blocks = pl.cdiv(hq, block_h)
     if num_splits is None:
-        num_splits = _pick_splits(batch * head_blocks, n_steps_total)
+        num_splits = _pick_splits(batch * head_blocks, n_steps_total, _sm_count())
     num_splits = max(1, min(num_splits, n_steps_total))
     pages_per_split = pl.cdiv(n_steps_total, num_splits) * pages_per_step
     num_splits = pl.cdiv(n_table, pages_per_split)
