@@ -115,6 +115,11 @@ def saved_per_token(m: ModelConfig, sizes: dict[str, int], kv_len: int, impl: st
             + attention_scores(hq, kv_len, impl))
 
 
+# Copies of the f32 logits [T, V/tp] at the step's peak: the logits, their exponentials
+# kept for the backward and their gradient (the CPU's buffer assignment, rolled or not).
+LOGITS_COPIES = 3
+
+
 def local_vocab(m: ModelConfig, sizes: dict[str, int]) -> float:
     """The output head's columns on a device: the vocabulary split over tp where it divides."""
     return m.vocab_size / (sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else 1)

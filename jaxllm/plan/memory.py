@@ -43,9 +43,9 @@ from typing import Callable
 import numpy as np
 
 from jaxllm.config import Config, ModelConfig
-from jaxllm.plan.activations import (BACKWARD_WORKING_SET, DTYPE_BYTES, expert_bytes,
-                                     expert_weight_slices, experts_saved, local_vocab,
-                                     resolved_attention_impl,
+from jaxllm.plan.activations import (BACKWARD_WORKING_SET, DTYPE_BYTES, LOGITS_COPIES,
+                                     expert_bytes, expert_weight_slices, experts_saved,
+                                     local_vocab, resolved_attention_impl,
                                      ring_saved_per_token, saved_per_token)
 from jaxllm.plan import mtp, unrolled
 from jaxllm.plan.flops import stage_layers, stage_moe_layers
@@ -227,14 +227,13 @@ def train_memory(cfg: Config, sizes: dict[str, int], *, platform: str = "gpu",
     n_moe = stage_moe_layers(m, sizes["pp"])
     stacked = (layers - n_moe) * saved(False) + (n_moe * saved(True) if n_moe else 0.0)
     batch_bytes = 2 * 4 * rows * seq * micro
-    logits = 3 * 4 * tokens * local_vocab(m, sizes)
+    logits_copy = 4 * tokens * local_vocab(m, sizes)  # f32 [T, V/tp]
+    logits = LOGITS_COPIES * logits_copy
     if unrolled.modelled(cfg, sizes):
-        grads, acts = unrolled.unrolled_memory(cfg, sizes, states, tokens, layers, n_moe,
-                                               impl, remat, platform)
-        if platform != "cpu":
-            logits *= unrolled.GPU_LOGITS_COPIES / 3
-        return TrainMemory(states.params, states.opt_state, grads, acts, logits,
-                           batch_bytes)
+        grads, acts, copies = unrolled.unrolled_memory(cfg, sizes, states, tokens, layers,
+                                                       n_moe, impl, remat, platform)
+        return TrainMemory(states.params, states.opt_state, grads, acts,
+                           copies * logits_copy, batch_bytes)
     if sizes["pp"] > 1 and n_moe and p.pp_schedule != "1f1b":
         # its peak is the backward at the experts, the logits gone
         acts = mirrored_moe_activations(cfg, sizes, micro, remat, tokens, states, saved,

@@ -22,6 +22,7 @@ assignment on the CPU holds at the step's peak (the first layers' backward):
                  layer; with MoE layers every layer's experts' rows and, about 0.85 of
                  them, the experts' backward buffers (`expert_bytes`)
     logits       as rolled: f32 [T, V/tp] logits, their exponentials and their gradient
+                 (LOGITS_COPIES)
 
 Weights are read as static slices of the stack, so no per-layer copy is made. The figures
 are fitted to `memory_analysis()` of the compiled steps (`benchmarks/plan_check.py --cpu`,
@@ -38,8 +39,8 @@ buffers past the dots count, and one float32 copy of the logits, not three.
 from __future__ import annotations
 
 from jaxllm.config import Config
-from jaxllm.plan.activations import (attention_scores, expert_bytes, heads_split,
-                                     ring_saved_per_token, saved_per_token)
+from jaxllm.plan.activations import (LOGITS_COPIES, attention_scores, expert_bytes,
+                                     heads_split, ring_saved_per_token, saved_per_token)
 
 # Of a layer's intermediates without remat (`saved_per_token(..., "none")`), the share
 # XLA keeps per layer at the unrolled step's peak, by remat policy; its attention scores
@@ -64,33 +65,30 @@ def modelled(cfg: Config, sizes: dict[str, int]) -> bool:
 
 def unrolled_memory(cfg: Config, sizes: dict[str, int], states, tokens: float,
                     layers: int, n_moe: int, impl: str, remat: str,
-                    platform: str) -> tuple[float, float]:
-    """(gradients, activations) bytes per device of the unrolled step's peak (the logits
-    as rolled)
-    (`states`: `memory.state_bytes`; `layers` / `n_moe`: the device's layers / MoE ones)."""
+                    platform: str) -> tuple[float, float, int]:
+    """(gradients bytes, activations bytes, copies of the f32 logits) per device at the
+    unrolled step's peak (`states`: `memory.state_bytes`; `layers` / `n_moe`: the device's
+    layers / MoE ones)."""
     m, t, p = cfg.model, cfg.train, cfg.parallelism
-    hq, _ = heads_split(m.n_heads, m.n_kv_heads, sizes["tp"])
-    scores = attention_scores(hq, t.seq_len, impl)
 
-    def full(moe: bool, policy: str = "none") -> float:  # one layer's bytes per token
+    def per_layer(moe: bool, policy: str) -> float:  # one layer's saved bytes per token
         return saved_per_token(m, sizes, t.seq_len, impl, policy, p.sequence_parallel, moe)
 
-    grads = states.stack_compute + states.grads_unstacked
-    if platform != "cpu":
-        acts = GPU_UNROLLED_KEPT[remat] * tokens * (
-            (layers - n_moe) * full(False, remat) + (n_moe * full(True, remat) if n_moe
-                                                      else 0.0))
-        if sizes["cp"] > 1:
-            acts += layers * tokens * ring_saved_per_token(m, sizes)
-        return grads, acts
+    def layers_of(f) -> float:  # f(moe) over the device's dense and MoE layers
+        return (layers - n_moe) * f(False) + (n_moe * f(True) if n_moe else 0.0)
 
-    kept = UNROLLED_KEPT[remat] * tokens * (
-        (layers - n_moe) * (full(False) - scores / 2)
-        + (n_moe * (full(True) - scores / 2) if n_moe else 0.0))
-    acts = kept + UNROLLED_WORKING_SET[remat] * tokens * full(bool(n_moe))
-    if sizes["cp"] > 1:
-        acts += layers * tokens * ring_saved_per_token(m, sizes)
+    grads = states.stack_compute + states.grads_unstacked
+    ring = layers * tokens * ring_saved_per_token(m, sizes) if sizes["cp"] > 1 else 0.0
+    if platform != "cpu":
+        kept = GPU_UNROLLED_KEPT[remat] * tokens * layers_of(lambda moe: per_layer(moe, remat))
+        return grads, kept + ring, GPU_LOGITS_COPIES
+
+    hq, _ = heads_split(m.n_heads, m.n_kv_heads, sizes["tp"])
+    scores = attention_scores(hq, t.seq_len, impl)
+    kept = UNROLLED_KEPT[remat] * tokens * layers_of(
+        lambda moe: per_layer(moe, "none") - scores / 2)
+    acts = kept + UNROLLED_WORKING_SET[remat] * tokens * per_layer(bool(n_moe), "none") + ring
     if n_moe:
         e_saved, e_backward = expert_bytes(m, sizes, tokens, platform)
         acts += n_moe * e_saved + UNROLLED_EXPERT_BACKWARD * e_backward
-    return grads, acts
+    return grads, acts, LOGITS_COPIES
