@@ -21,6 +21,9 @@ cross_entropy, optimizer). Categories, first match wins:
 
 It prints per category: GPU time a step, its share of the summed kernel time, kernel count;
 then the step's wall time (`time_fn`), kernel time and idle gaps, and the --top kernels.
+Traced, XLA launches every kernel on its own rather than through its command buffers
+(`--xla_enable_command_buffers_during_profiling` is off by default): the kernels' times
+are the step's, the trace's span and gaps are not; the wall time is timed untraced.
 """
 from __future__ import annotations
 
