@@ -399,7 +399,8 @@ def device_trace(trace_dir: str | None, top: int = 12):
     rows = [{"kernel": n, "calls": c, "s": d / 1e9, "% of kernel time": 100 * d / total}
             for n, c, d in totals[:top]]
     print_table(rows, title=f"continuous batching, traced: the device busy {busy_ns(kernels) / 1e9:.2f} s "
-                            f"of {wall:.2f} s (the trace slows the host), {len(kernels)} kernels")
+                            f"of {wall:.2f} s (traced, the host launches every kernel itself, outside "
+                            f"XLA's command buffers), {len(kernels)} kernels")
 
 
 @contextlib.contextmanager
