@@ -169,6 +169,10 @@ def _default_block_h(hq: int) -> int:
     return min(max(_MIN, _pow2(hq)), 32)
 
 
+def _default_block_k(page_size: int) -> int:
+    return max(page_size, 64)
+
+
 def _pages_per_step(block_k: int, page_size: int, n_table: int) -> int:
     return min(block_k // page_size, _pow2(n_table))
 
@@ -177,7 +181,7 @@ def default_splits(batch: int, hq: int, n_table: int, page_size: int, sms: int) 
     """The context splits `mla_decode` takes with its default block sizes for `batch`
     rows of `hq` heads over tables of `n_table` pages, on a GPU of `sms` SMs (before its
     rounding to whole steps a split); the planner counts the split merge from it."""
-    steps = pl.cdiv(n_table, _pages_per_step(max(page_size, 64), page_size, n_table))
+    steps = pl.cdiv(n_table, _pages_per_step(_default_block_k(page_size), page_size, n_table))
     return _pick_splits(batch * pl.cdiv(hq, _default_block_h(hq)), steps, sms)
 
 
@@ -215,7 +219,7 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     block_h = _default_block_h(hq) if block_h is None else block_h
     if block_h < _MIN or block_h & (block_h - 1):
         raise ValueError(f"block_h={block_h} must be a power of two >= {_MIN}")
-    block_k = max(page_size, 64) if block_k is None else block_k
+    block_k = _default_block_k(page_size) if block_k is None else block_k
     if block_k % page_size or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power-of-two multiple of "
                          f"page_size={page_size}")
