@@ -21,11 +21,12 @@ the same comparison against the planner's GPU count.
 --gpu first measures this device's ceilings into measured.yaml (a bf16 8192^3 matmul; an
 HBM copy, read + write bytes; the fixed cost of a kernel; the config's flash attention
 forward and backward at its training shape; with MoE the grouped matmul at its experts'
-shape; every matmul shape of the per-kernel model taking at least 5 us), then sets the
+shape; every matmul shape of the per-kernel model taking at least 5 us; once the model is
+built, the host's time for a call over its decode parameters), then sets the
 planner's predictions under those ceilings, the roofline's and the per-kernel model's
 (`jaxllm/plan/kernel_time.py`), beside the measured figures for --config on one GPU: the
 train step's peak memory (its `memory_analysis()`) and time (the trainer's jitted step on
-random tokens), TTFT for the --prompt-len prompt and TPOT at batches 1, 32, 64
+random tokens), TTFT for one --prompt-len prompt (with batch 1) and TPOT at batches 1, 32, 64
 (`jaxllm.inference.generate.generate_ids`, greedy, --new-tokens tokens, decode chunks of
 32; the median of TIMED_RUNS generations after a warm one), with the ratios measured /
 kernel model and measured / roofline.
@@ -255,6 +256,16 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
     return out
 
 
+def _add_measured(path: str, **ceilings) -> None:
+    """Add ceilings to the measured file `path`."""
+    import yaml
+
+    raw = yaml.safe_load(open(path))
+    raw.update({k: float(v) for k, v in ceilings.items()})
+    with open(path, "w") as f:
+        yaml.safe_dump(raw, f, sort_keys=False)
+
+
 NOT_KERNELS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
 
 
@@ -267,10 +278,11 @@ def _kernels_of(compiled_text: str) -> int:
     return sum(op not in NOT_KERNELS for op in ops)
 
 
-def _kernel_cost(chain: tuple[int, int]) -> float:
+def _kernel_cost(chain: tuple[int, int], repeats: int = 3) -> float:
     """The fixed cost of a kernel: two chains of tiny dependent steps (a sum, then a
     scale by it: reductions and elementwise kernels of 4 KiB), the longer one's extra
-    time over its extra kernels, counted in the compiled programs (XLA fuses as it will)."""
+    time over its extra kernels, counted in the compiled programs (XLA fuses as it will);
+    the median of `repeats` such pairs."""
     import jax
     import jax.numpy as jnp
 
@@ -283,12 +295,30 @@ def _kernel_cost(chain: tuple[int, int]) -> float:
             return v
         return jax.jit(f)
     v = jnp.ones((1024,), jnp.float32)
-    times, kernels = [], []
-    for steps in chain:
-        fn = program(steps)
-        kernels.append(_kernels_of(fn.lower(v).compile().as_text()))
-        times.append(time_fn(fn, v, target_s=0.2))
-    return max((times[1] - times[0]) / max(kernels[1] - kernels[0], 1), 1e-8)
+    fns = [program(steps) for steps in chain]
+    kernels = [_kernels_of(fn.lower(v).compile().as_text()) for fn in fns]
+    costs = []
+    for _ in range(repeats):  # one pair of timings moved it by a third between runs
+        times = [time_fn(fn, v, target_s=0.2) for fn in fns]
+        costs.append((times[1] - times[0]) / max(kernels[1] - kernels[0], 1))
+    return max(statistics.median(costs), 1e-8)
+
+
+def _call_cost(params, tokens, calls: int = 50) -> float:
+    """The host's time for one call of a compiled program taking the model's decode
+    parameters (every array passed, none pruned) and a prompt, to its first result read
+    back: the median of `calls` calls of a program that adds one to a token."""
+    import jax
+    import numpy as np
+
+    fn = jax.jit(lambda p, t: t[:1, :1] + 1, keep_unused=True)
+    np.asarray(fn(params, tokens))
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        np.asarray(fn(params, tokens))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _matmul_rate(m: int, k: int, n: int, reps: tuple[int, int] = (2, 10)) -> float:
@@ -429,6 +459,10 @@ def gpu_check(args) -> list[dict]:
 
     model = build_model(cfg.model, rngs=nnx.Rngs(0))
     dparams = decode_params(model, cfg)
+    call_s = _call_cost(dparams, jax.numpy.zeros((1, p.prompt_len), jax.numpy.int32))
+    _add_measured(args.measured, call_s=call_s)
+    print(f"measured call_s {1e3 * call_s:.3f} ms -> {args.measured}", flush=True)
+    p = plan(cfg, args.hardware, 1, measured=args.measured, **plan_args)
     opts = dict(max_new_tokens=args.new_tokens, temperature=0.0, eos_id=None, chunk=chunk)
     for b in args.batches:
         prompts = rng.integers(0, min(256, cfg.model.vocab_size), (b, p.prompt_len)).tolist()
@@ -438,7 +472,7 @@ def gpu_check(args) -> list[dict]:
         runs = [generate_ids(dparams, prompts, warmup=False, **opts)[1]
                 for _ in range(TIMED_RUNS)]
         timings = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "tpot_s")}
-        if b == args.batches[0]:
+        if b == 1:  # the planner's TTFT is one prompt's
             rows.append(_row(f"TTFT (ms) B={b}, prompt {p.prompt_len}", 1e3 * p.ttft_s,
                              1e3 * p.kernel_ttft_s, 1e3 * timings["ttft_s"],
                              p.prefill.bound(p.hardware)))

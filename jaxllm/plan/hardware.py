@@ -13,6 +13,9 @@ and what the per-kernel time model (`kernel_time.py`) adds, each optional:
 
     kernel_s       the fixed cost of one kernel launch inside a compiled program, seconds
                    (its launch, ramp-up and tail beyond its FLOPs or bytes)
+    call_s         the host's time to run one compiled call that takes the model's decode
+                   parameters and read its first result back (dispatch, launch, transfer):
+                   TTFT's per-kernel model adds it once
     attn_fwd       the flash attention kernel's forward FLOP/s (causal FLOPs, as counted)
     attn_bwd       its backward FLOP/s (2.5x the forward's FLOPs in the backward's time)
     gmm_flops      the grouped (MoE experts) matmul kernel's FLOP/s
@@ -27,10 +30,12 @@ replaces some of them with what a bf16 matmul and an HBM copy reach on the machi
     flops: 7.78e14
     hbm_bw: 3.31e12
     kernel_s: 3.0e-6
+    call_s: 3.0e-4
     attn_fwd: 5.6e14
     matmul_shapes: {32768x2048x2048: 7.2e14}
 
-Without them a kernel's FLOPs run at `flops` and the fixed cost is `KERNEL_S`.
+Without them a kernel's FLOPs run at `flops`, the fixed cost is `KERNEL_S` and a call's
+host time `CALL_S`.
 """
 from __future__ import annotations
 
@@ -47,6 +52,11 @@ GB = 1e9
 # launch from a CUDA graph and the ramp and tail of a small grid, a few microseconds on
 # the GPUs listed (`benchmarks/plan_check.py --gpu` measures it as `kernel_s`).
 KERNEL_S = 3e-6
+# The host's time for one call of a compiled program over a model's decode parameters, to
+# its first result on the host, when no measurement gives it (`plan_check.py --gpu`
+# measures it as `call_s`: 0.25 ms for the 1B config's 99 arrays, 0.45 ms for the MLA
+# config's 243 on an H100 host; it grows with the arrays and with a slower host).
+CALL_S = 3e-4
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class Hardware:
     per_host: int = 8
     measured: bool = False  # ceilings from a measurement, not the datasheet
     kernel_s: float = KERNEL_S
+    call_s: float = CALL_S
     attn_fwd: float | None = None
     attn_bwd: float | None = None
     gmm_flops: float | None = None
@@ -85,8 +96,8 @@ HARDWARE: dict[str, Hardware] = {
     "a100": Hardware("A100 SXM 80GB", 312e12, 2.039e12, 80 * GB, 300 * GB, 25 * GB),
     "b200": Hardware("B200", 2250e12, 8.0e12, 180 * GB, 900 * GB, 50 * GB),
 }
-_FIELDS = ("flops", "hbm_bw", "hbm", "nvlink_bw", "ib_bw", "per_host", "kernel_s", "attn_fwd",
-           "attn_bwd", "gmm_flops", "matmul_shapes")
+_FIELDS = ("flops", "hbm_bw", "hbm", "nvlink_bw", "ib_bw", "per_host", "kernel_s", "call_s",
+           "attn_fwd", "attn_bwd", "gmm_flops", "matmul_shapes")
 
 
 def get_hardware(name: str | Hardware, measured: str | Path | None = None) -> Hardware:

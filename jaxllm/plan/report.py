@@ -110,7 +110,8 @@ class Plan:
 
     @property
     def kernel_ttft_s(self) -> float:
-        return self.kernels.prefill.seconds(self.hardware)
+        """The prefill's kernels and the host's time for its call (`Hardware.call_s`)."""
+        return self.kernels.prefill.seconds(self.hardware) + self.hardware.call_s
 
     @property
     def kernel_tpot_s(self) -> dict[int, float]:
@@ -249,10 +250,11 @@ def render(p: Plan, width: int = 110) -> str:
     for col in ("workload", "FLOPs", "bytes", "intensity", "time", "bound", "kernel model",
                 "kernels", "tokens/s"):
         tab.add_column(col, justify="right" if col != "workload" else "left")
-    rows = [("prefill (TTFT)", p.prefill, p.prompt_len, p.kernels.prefill)]
-    rows += [(f"decode B={b} (TPOT)", pt, b, p.kernels.decode[b]) for b, pt in p.decode.items()]
-    for name, pt, tokens, kt in rows:
-        s, ks = pt.seconds(hw), kt.seconds(hw)
+    rows = [("prefill (TTFT)", p.prefill, p.prompt_len, p.kernels.prefill, p.kernel_ttft_s)]
+    rows += [(f"decode B={b} (TPOT)", pt, b, p.kernels.decode[b], p.kernel_tpot_s[b])
+             for b, pt in p.decode.items()]
+    for name, pt, tokens, kt, ks in rows:
+        s = pt.seconds(hw)
         tab.add_row(name, f"{pt.flops:.3g}", _gib(pt.bytes), f"{pt.intensity:,.1f}", _time(s),
                     pt.bound(hw), _time(ks), f"{kt.launches:,.0f}", f"{tokens / ks:,.0f}")
     con.print(tab)
