@@ -201,6 +201,10 @@ def test_stops_abort_and_queue_limit(setup, prompts, alone):
     # to its length: the text is every token's (an incomplete last character included)
     outs = list(engine.generate([prompts[4]], GREEDY))
     assert outs[-1].text == "".join(o.new_text for o in outs) == engine.tokenizer.decode(ref)
+    # each step's cumulative fields, read after the run, are what the deltas had made then
+    for i, o in enumerate(outs):
+        assert o.token_ids == sum((x.new_token_ids for x in outs[:i + 1]), [])
+        assert o.text == "".join(x.new_text for x in outs[:i + 1])
     # abort frees the pages at once
     rid = engine.add_request(prompts[-1], GREEDY)
     engine.step()

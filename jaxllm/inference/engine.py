@@ -419,11 +419,12 @@ class Engine:
         upto = max(live.sent, len(text) - (0 if finished else live.hold))
         new_text, live.sent = text[live.sent:upto], upto
         new_ids, live.sent_tokens = req.output[live.sent_tokens:], len(req.output)
-        # positional, in the order of RequestOutput's fields (a step makes hundreds)
-        return RequestOutput(req.request_id, len(req.prompt), new_ids, new_text,
-                             list(req.output), text[:upto], finished, reason,
-                             req.cached_tokens, req.arrival_time, live.first_token_time,
-                             now if finished else None)
+        # positional, in the order of RequestOutput's fields (a step makes hundreds); the
+        # token list and the text are the request's own, sliced when read
+        return RequestOutput(req.request_id, len(req.prompt), new_ids, new_text, finished,
+                             reason, req.cached_tokens, req.arrival_time,
+                             live.first_token_time, now if finished else None,
+                             len(req.output), req.output, text, upto)
 
 
 # asyncio callers (the HTTP server): an engine driven from a thread

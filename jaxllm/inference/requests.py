@@ -64,22 +64,30 @@ class SamplingParams:
 class RequestOutput:
     """One request after a step. `new_token_ids` / `new_text`: what this step added (text
     held back while it could still be the start of a stop string, or an unfinished UTF-8
-    character); `token_ids` / `text`: all of it so far. Times are `time.perf_counter()`
-    seconds: arrival, first generated token, finish."""
+    character); `token_ids` / `text`: all of it so far, sliced when read from the
+    request's own token list and text (which only grow), so a step costs the same for a
+    request's first token and its ten-thousandth. Times are `time.perf_counter()` seconds:
+    arrival, first generated token, finish."""
 
     request_id: str
     prompt_tokens: int
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
     finished: bool = False
     finish_reason: str | None = None  # one of FINISH_REASONS once finished
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    completion_tokens: int = 0  # len(token_ids)
+    all_ids: list[int] = field(default_factory=list, repr=False, compare=False)
+    all_text: str = field(default="", repr=False, compare=False)
+    text_len: int = 0  # len(text)
 
     @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
+    def token_ids(self) -> list[int]:
+        return self.all_ids[:self.completion_tokens]
+
+    @property
+    def text(self) -> str:
+        return self.all_text[:self.text_len]
