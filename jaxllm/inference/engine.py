@@ -73,7 +73,7 @@ class _Live:
     generate (max_tokens, or fewer by the model's context)."""
     request: Request
     decode: object  # the tokenizer's stream decoder
-    stop_ids: tuple[int, ...]
+    stop_ids: frozenset[int]
     hold: int
     limit: int
     text: str = ""
@@ -177,7 +177,7 @@ class Engine:
         req = Request(request_id, prompt_ids, params, next(self._numbers),
                       prompt_array=ids.copy())  # the caller may reuse its array
         req.seed_words = self._seed(req)
-        stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
+        stop_ids = frozenset(params.stop_token_ids + (() if params.ignore_eos else self.eos_ids))
         hold = max(map(len, params.stop)) - 1 if params.stop else 0
         limit = min(params.max_tokens, self.max_model_len - len(prompt_ids))
         self._live[request_id] = _Live(req, self.tokenizer.stream_decoder(), stop_ids, hold,
@@ -358,28 +358,41 @@ class Engine:
         """A request's sampled tokens, in order, each through the stop ids, its text and the
         stop strings, then the length limit; those after the one that finishes the request
         are dropped (a stop id is not part of the output; a stop string cuts the text
-        before it). The output: every step of every request comes this way."""
+        before it). Without stop strings the tokens up to the first stop id or the limit
+        go at once. The output: every step of every request comes this way."""
         if live.first_token_time is None:
             live.first_token_time = now
         req = live.request
         output, stop = req.output, req.params.stop
         reason, used, cut = None, 0, False
-        for token in tokens:
-            used += 1
-            if token in live.stop_ids:
-                reason = "stop"
-                break
-            output.append(token)
-            req.tokens.append(token)
-            before = len(live.text)
-            # one token: the list itself goes to the decoder
-            live.text += live.decode(tokens if len(tokens) == 1 else (token,))
-            if stop and self._cut(live, before):
-                reason, cut = "stop", True
-                break
-            if len(output) >= live.limit:
+        if not stop:  # no stop strings: the tokens taken at once, their text in one call
+            take = tokens[:live.limit - len(output)]
+            used = len(take)
+            if not live.stop_ids.isdisjoint(take):  # a stop id, not part of the output
+                used = next(i for i, t in enumerate(take) if t in live.stop_ids)
+                take, used, reason = take[:used], used + 1, "stop"
+            output.extend(take)
+            req.tokens.extend(take)
+            if take:
+                live.text += live.decode(take)
+            if reason is None and len(output) >= live.limit:
                 reason = "length"
-                break
+        else:  # token by token: a stop string may end at any of them
+            for token in tokens:
+                used += 1
+                if token in live.stop_ids:
+                    reason = "stop"
+                    break
+                output.append(token)
+                req.tokens.append(token)
+                before = len(live.text)
+                live.text += live.decode((token,))
+                if self._cut(live, before):
+                    reason, cut = "stop", True
+                    break
+                if len(output) >= live.limit:
+                    reason = "length"
+                    break
         self.totals["generation_tokens"] += used
         if reason is not None:
             if not cut:  # the text the decoder held back (an incomplete character)
