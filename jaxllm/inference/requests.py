@@ -80,6 +80,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     completion_tokens: int = 0  # len(token_ids)
+    # the request's own token list and text, shared and growing: read token_ids / text
     all_ids: list[int] = field(default_factory=list, repr=False, compare=False)
     all_text: str = field(default="", repr=False, compare=False)
     text_len: int = 0  # len(text)
