@@ -256,16 +256,6 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
     return out
 
 
-def _add_measured(path: str, **ceilings) -> None:
-    """Add ceilings to the measured file `path`."""
-    import yaml
-
-    raw = yaml.safe_load(open(path))
-    raw.update({k: float(v) for k, v in ceilings.items()})
-    with open(path, "w") as f:
-        yaml.safe_dump(raw, f, sort_keys=False)
-
-
 NOT_KERNELS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
 
 
@@ -420,6 +410,7 @@ def gpu_check(args) -> list[dict]:
     from jaxllm.inference.generate import generate_ids
     from jaxllm.inference.params import decode_params
     from jaxllm.plan import get_hardware, plan
+    from jaxllm.plan.hardware import save_measured
     from jaxllm.plan.memory import compiled_peak
     from jaxllm.sharding.memory import step_memory
     from jaxllm.train.trainer import init_state, sharding_plan
@@ -437,8 +428,8 @@ def gpu_check(args) -> list[dict]:
     plan_args = dict(batches=args.batches, prompt_len=args.prompt_len, platform=platform)
     shapes = _matmul_shapes(plan(cfg, args.hardware, 1, **plan_args).kernels,
                             get_hardware(args.hardware))
-    measure_ceilings(args.measured, args.hardware, cfg, shapes,
-                     *((512, 1 << 24) if args.quick else ()))
+    ceilings = measure_ceilings(args.measured, args.hardware, cfg, shapes,
+                                *((512, 1 << 24) if args.quick else ()))
     p = plan(cfg, args.hardware, 1, measured=args.measured, **plan_args)
     rows = []
 
@@ -466,7 +457,7 @@ def gpu_check(args) -> list[dict]:
     model = build_model(cfg.model, rngs=nnx.Rngs(0))
     dparams = decode_params(model, cfg)
     call_s = _call_cost(dparams, jax.numpy.zeros((1, p.prompt_len), jax.numpy.int32))
-    _add_measured(args.measured, call_s=call_s)
+    save_measured(args.measured, args.hardware, **ceilings, call_s=call_s)
     print(f"measured call_s {1e3 * call_s:.3f} ms -> {args.measured}", flush=True)
     p = plan(cfg, args.hardware, 1, measured=args.measured, **plan_args)
     opts = dict(max_new_tokens=args.new_tokens, temperature=0.0, eos_id=None, chunk=chunk)
