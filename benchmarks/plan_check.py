@@ -218,14 +218,24 @@ def _matmul_shapes(kernel_plan, hw, min_s: float = 5e-6) -> list[tuple[int, int,
                    if k.rate == "matmul" and k.shape and k.flops / hw.flops >= min_s})
 
 
+def _gmm_shapes(kernel_plan, hw, min_s: float = 5e-6) -> dict[tuple[int, ...], float]:
+    """{(m, k, n, groups): planned FLOPs} of the prefill's and decode steps' grouped
+    matmuls that take at least `min_s` at the peak (training's run at `gmm_flops`)."""
+    kts = [kernel_plan.prefill, *kernel_plan.decode.values()]
+    return {k.shape: k.flops for kt in kts for k in kt.kernels
+            if k.rate == "gmm" and k.shape and k.flops / hw.flops >= min_s}
+
+
 def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
-                     copy_bytes: int = 4 << 30, chain: tuple[int, int] = (64, 320)) -> dict:
+                     copy_bytes: int = 4 << 30, chain: tuple[int, int] = (64, 320),
+                     gmm_shapes: dict | None = None) -> dict:
     """This device's ceilings into `path` (device 0): a bf16 n^3 matmul's FLOP/s, an HBM
     copy's bytes/s (read + write), the fixed cost of a kernel (`kernel_s`, `_kernel_cost`),
     and with
     `cfg` the flash attention kernel's forward and backward FLOP/s at its training shape
     (the config's attention_impl), the grouped matmul's (forward + backward) at its
-    experts' shape, and the FLOP/s of each matmul shape of `shapes`."""
+    experts' shape, and the FLOP/s of each matmul shape of `shapes` and of each grouped
+    matmul shape of `gmm_shapes` ({(m, k, n, groups): the FLOPs the plan counts})."""
     import jax
     import jax.numpy as jnp
 
@@ -246,13 +256,18 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
     rates = {f"{m}x{k}x{nn}": _matmul_rate(m, k, nn) for m, k, nn in shapes}
     if rates:
         out["matmul_shapes"] = rates
+    grouped = {"x".join(map(str, shape)): _gmm_shape_rate(*shape, flops)
+               for shape, flops in (gmm_shapes or {}).items()}
+    if grouped:
+        out["gmm_shapes"] = grouped
     save_measured(path, base, **out)
     print(f"measured ceilings -> {path}: {out['flops'] / 1e12:.0f} TFLOP/s, "
           f"{out['hbm_bw'] / 1e12:.2f} TB/s, {out['kernel_s'] * 1e6:.2f} us a kernel"
           + "".join(f", {k} {out[k] / 1e12:.0f} TFLOP/s"
                     for k in ("attn_fwd", "attn_bwd", "gmm_flops") if k in out)
           + (f"; {len(rates)} matmul shapes, {min(rates.values()) / 1e12:.0f}-"
-             f"{max(rates.values()) / 1e12:.0f} TFLOP/s" if rates else ""))
+             f"{max(rates.values()) / 1e12:.0f} TFLOP/s" if rates else "")
+          + "".join(f"; grouped {k} {v / 1e12:.0f} TFLOP/s" for k, v in grouped.items()))
     return out
 
 
@@ -330,6 +345,31 @@ def _matmul_rate(m: int, k: int, n: int, reps: tuple[int, int] = (2, 10)) -> flo
         args = [jnp.full(shape, 1.0 + i, jnp.bfloat16)
                 for i in range(count) for shape in ((m, k), (k, n))]
         f = jax.jit(lambda *ab: [a @ b for a, b in zip(ab[::2], ab[1::2])])
+        return time_fn(f, *args, target_s=0.1)
+    short, long_ = (program(r) for r in reps)
+    return flops * (reps[1] - reps[0]) / max(long_ - short, 1e-9)
+
+
+def _gmm_shape_rate(m: int, k: int, n: int, groups: int, flops: float,
+                    reps: tuple[int, int] = (2, 10)) -> float:
+    """The grouped matmul's forward ([m, k] x [groups, k, n], bf16, the kernel the model's
+    prefill and decode pick), its rows spread over the groups as uniform routing spreads
+    them (seeded): `flops` (the FLOPs the plan counts for it) over the extra time of a
+    program of more such products per extra product, each on operands of its own."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.common import time_fn
+    from jaxllm.kernels import grouped_matmul
+
+    rows = np.random.default_rng(0).integers(0, groups, m)
+    sizes = jnp.asarray(np.bincount(rows, minlength=groups), jnp.int32)
+
+    def program(count):
+        args = [jnp.full(shape, 1.0 + i, jnp.bfloat16)
+                for i in range(count) for shape in ((m, k), (groups, k, n))]
+        f = jax.jit(lambda *ab: [grouped_matmul(a, b, sizes) for a, b in zip(ab[::2], ab[1::2])])
         return time_fn(f, *args, target_s=0.1)
     short, long_ = (program(r) for r in reps)
     return flops * (reps[1] - reps[0]) / max(long_ - short, 1e-9)
@@ -426,10 +466,10 @@ def gpu_check(args) -> list[dict]:
                                     f"inference.decode_chunk={chunk}", *args.overrides])
     platform = jax.devices()[0].platform
     plan_args = dict(batches=args.batches, prompt_len=args.prompt_len, platform=platform)
-    shapes = _matmul_shapes(plan(cfg, args.hardware, 1, **plan_args).kernels,
-                            get_hardware(args.hardware))
-    ceilings = measure_ceilings(args.measured, args.hardware, cfg, shapes,
-                                *((512, 1 << 24) if args.quick else ()))
+    kernels, hw = plan(cfg, args.hardware, 1, **plan_args).kernels, get_hardware(args.hardware)
+    ceilings = measure_ceilings(args.measured, args.hardware, cfg, _matmul_shapes(kernels, hw),
+                                *((512, 1 << 24) if args.quick else ()),
+                                gmm_shapes=_gmm_shapes(kernels, hw))
     p = plan(cfg, args.hardware, 1, measured=args.measured, **plan_args)
     rows = []
 

@@ -369,6 +369,30 @@ def test_measured_kernel_ceilings(tmp_path):
     bad.write_text("base: h200\nmatmul_shapes: {12x3: 1.0e14}\n")
     with pytest.raises(ValueError, match="MxKxN"):
         get_hardware("h200", bad)
+    bad.write_text("base: h200\ngmm_shapes: {12x3x4: 1.0e14}\n")
+    with pytest.raises(ValueError, match="MxKxNxG"):
+        get_hardware("h200", bad)
+
+
+def test_measured_grouped_matmul_shapes(tmp_path):
+    """A grouped matmul's rate measured at a prefill shape times that product in prefill;
+    training's grouped matmuls keep `gmm_flops`."""
+    cfg = load_config("configs/deepseek_moe_1gpu.yaml", ["parallelism.dp=1"])
+    p0 = plan(cfg, "h200", 1, batches=[1], prompt_len=1024)
+    gmm = [k for k in p0.kernels.prefill.kernels if k.rate == "gmm"]
+    assert gmm and all(len(k.shape) == 4 and k.shape[3] == 64 for k in gmm)
+    assert {k.shape[0] for k in gmm} == {1024 * 6}  # the prompt's tokens x top_k rows
+    path = tmp_path / "measured.yaml"
+    save_measured(path, "h200", gmm_flops=6e14,
+                  gmm_shapes={"x".join(map(str, gmm[0].shape)): 1e14})
+    hw = get_hardware("h200", path)
+    assert gmm[0].flop_rate(hw) == 1e14
+    assert hw.gmm_rate(1, 2, 3, 4) == 6e14
+    p = plan(cfg, "h200", 1, measured=str(path), batches=[1], prompt_len=1024)
+    fast = dataclasses.replace(hw, gmm_shapes=())
+    assert p.kernels.prefill.seconds(hw) > p.kernels.prefill.seconds(fast)  # at 1e14
+    train_gmm = [k for k in p.kernels.train.kernels if k.rate == "gmm"]
+    assert train_gmm and all(k.flop_rate(hw) == 6e14 for k in train_gmm)
 
 
 def test_pipeline_stages_and_experts_of_an_moe_model():

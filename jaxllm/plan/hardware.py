@@ -18,9 +18,14 @@ and what the per-kernel time model (`kernel_time.py`) adds, each optional:
                    TTFT's per-kernel model adds it once
     attn_fwd       the flash attention kernel's forward FLOP/s (causal FLOPs, as counted)
     attn_bwd       its backward FLOP/s (2.5x the forward's FLOPs in the backward's time)
-    gmm_flops      the grouped (MoE experts) matmul kernel's FLOP/s
+    gmm_flops      the grouped (MoE experts) matmul kernel's FLOP/s (forward + backward
+                   at the training shape)
     matmul_shapes  FLOP/s of bf16 matmuls of given shapes, {"MxKxN": FLOP/s}, used for
                    matmuls of exactly that shape in place of `flops`
+    gmm_shapes     FLOP/s of the grouped matmul's forward at given shapes, {"MxKxNxG":
+                   FLOP/s} (lhs [M, K] x rhs [G, K, N], the planned FLOPs of its row
+                   tiles over the time), used for prefill and decode products of exactly
+                   that shape in place of `gmm_flops`
 
 Datasheet figures are ceilings no program reaches; a measured-ceilings file (YAML or JSON)
 replaces some of them with what a bf16 matmul and an HBM copy reach on the machine
@@ -75,11 +80,18 @@ class Hardware:
     attn_bwd: float | None = None
     gmm_flops: float | None = None
     matmul_shapes: tuple[tuple[str, float], ...] = ()
+    gmm_shapes: tuple[tuple[str, float], ...] = ()
 
     def matmul_rate(self, m: int, k: int, n: int) -> float:
         """FLOP/s of an [m, k] x [k, n] bf16 matmul: its measured rate, else `flops`."""
         key = f"{int(m)}x{int(k)}x{int(n)}"
         return dict(self.matmul_shapes).get(key, self.flops)
+
+    def gmm_rate(self, m: int, k: int, n: int, groups: int) -> float:
+        """FLOP/s of the grouped matmul [m, k] x [groups, k, n]: its measured forward rate
+        at that shape, else `gmm_flops`, else `flops`."""
+        key = f"{int(m)}x{int(k)}x{int(n)}x{int(groups)}"
+        return dict(self.gmm_shapes).get(key, self.gmm_flops or self.flops)
 
     @property
     def ridge(self) -> float:
@@ -97,7 +109,9 @@ HARDWARE: dict[str, Hardware] = {
     "b200": Hardware("B200", 2250e12, 8.0e12, 180 * GB, 900 * GB, 50 * GB),
 }
 _FIELDS = ("flops", "hbm_bw", "hbm", "nvlink_bw", "ib_bw", "per_host", "kernel_s", "call_s",
-           "attn_fwd", "attn_bwd", "gmm_flops", "matmul_shapes")
+           "attn_fwd", "attn_bwd", "gmm_flops", "matmul_shapes", "gmm_shapes")
+_SHAPE_KEYS = {"matmul_shapes": (r"\d+x\d+x\d+", "MxKxN"),
+               "gmm_shapes": (r"\d+x\d+x\d+x\d+", "MxKxNxG")}
 
 
 def get_hardware(name: str | Hardware, measured: str | Path | None = None) -> Hardware:
@@ -145,25 +159,28 @@ def load_measured(path: str | Path, base: Hardware | None = None) -> Hardware:
     unknown = set(raw) - set(_FIELDS) - {"name"}
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {list(_FIELDS)}")
-    shapes = raw.pop("matmul_shapes", None) or {}
-    if not isinstance(shapes, dict):
-        raise ValueError(f"{path}: matmul_shapes must map \"MxKxN\" to FLOP/s; got {shapes!r}")
+    tables = {}
+    for field, (pattern, form) in _SHAPE_KEYS.items():
+        shapes = raw.pop(field, None) or {}
+        if not isinstance(shapes, dict):
+            raise ValueError(f"{path}: {field} must map \"{form}\" to FLOP/s; got {shapes!r}")
+        for key, v in shapes.items():
+            if not re.fullmatch(pattern, str(key)) or float(v) <= 0:
+                raise ValueError(f"{path}: {field} entry {key!r}: {v!r} must be "
+                                 f"\"{form}\": a positive FLOP/s")
+        if shapes:
+            tables[field] = tuple(sorted((str(k), float(v)) for k, v in shapes.items()))
     values = {k: (int(v) if k == "per_host" else float(v)) for k, v in raw.items() if k in _FIELDS}
     for k, v in values.items():
         if v <= 0:
             raise ValueError(f"{path}: {k}={v} must be positive")
-    if shapes:
-        for key, v in shapes.items():
-            if not re.fullmatch(r"\d+x\d+x\d+", str(key)) or float(v) <= 0:
-                raise ValueError(f"{path}: matmul_shapes entry {key!r}: {v!r} must be "
-                                 f"\"MxKxN\": a positive FLOP/s")
-        values["matmul_shapes"] = tuple(sorted((str(k), float(v)) for k, v in shapes.items()))
+    values.update(tables)
     name = raw.get("name", base.name + " (measured)")
     return dataclasses.replace(base, name=name, measured=True, **values)
 
 
 def save_measured(path: str | Path, base: str, **ceilings) -> None:
-    """Write a measured-ceilings file over the table's entry `base` (`matmul_shapes`: a
-    dict of "MxKxN" -> FLOP/s; the other ceilings numbers)."""
-    out = {k: (dict(v) if k == "matmul_shapes" else float(v)) for k, v in ceilings.items()}
+    """Write a measured-ceilings file over the table's entry `base` (`matmul_shapes` and
+    `gmm_shapes`: dicts of "MxKxN" / "MxKxNxG" -> FLOP/s; the other ceilings numbers)."""
+    out = {k: (dict(v) if k in _SHAPE_KEYS else float(v)) for k, v in ceilings.items()}
     Path(path).write_text(yaml.safe_dump({"base": base, **out}, sort_keys=False))

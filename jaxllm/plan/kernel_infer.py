@@ -93,9 +93,11 @@ def _ffn_kernels(m: ModelConfig, T: int, c: float, tp: int, moe: bool) -> list[K
                _ew("sort", 2 * SORT_KERNELS * 2 * R * 4 + 2 * R * 4, 2 * SORT_KERNELS + 2),
                _ew("routing", GMM_SETUP_BYTES, GMM_SETUP_KERNELS),  # the kernel's work items
                _ew("dispatch", 2 * R * d * c),
-               Kernel("grouped matmul", 2, 2 * Rc * d * fe, c * (R * d + w + R * fe), "gmm"),
+               Kernel("grouped matmul", 2, 2 * Rc * d * fe, c * (R * d + w + R * fe), "gmm",
+                      (R, d, fe, e.num_experts)),
                _ew("elementwise", 3 * R * fe * c),
-               Kernel("grouped matmul", 1, 2 * Rc * d * fe, c * (R * fe + w + R * d), "gmm"),
+               Kernel("grouped matmul", 1, 2 * Rc * d * fe, c * (R * fe + w + R * d), "gmm",
+                      (R, fe, d, e.num_experts)),
                _ew("dispatch", 2 * R * d * c + R * d * c + X, 2)]  # gather back, weighted sum
         f = e.num_shared_experts * fe
         if f:

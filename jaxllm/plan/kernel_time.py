@@ -5,7 +5,9 @@ plus a fixed cost per launch.
 
     rate      matmuls: the measured rate of that [m, k] x [k, n] shape where the ceilings
               have one (`Hardware.matmul_shapes`), else `flops`; flash attention: `attn_fwd`
-              and `attn_bwd`; the experts' grouped matmul: `gmm_flops` (each else `flops`)
+              and `attn_bwd`; the experts' grouped matmul: its measured forward rate at
+              that shape (`Hardware.gmm_shapes`: prefill and decode), else `gmm_flops`
+              (each else `flops`)
     bytes     what the kernel reads and writes in HBM; every elementwise, reduction, copy
               and gather kernel has FLOPs 0, so it takes its bytes at the HBM rate
 
@@ -37,11 +39,14 @@ class Kernel:
     flops: float = 0.0
     bytes: float = 0.0
     rate: str = "hbm"  # "matmul", "attn_fwd", "attn_bwd", "gmm" or "hbm" (no FLOPs)
-    shape: tuple[int, int, int] | None = None  # a matmul's (m, k, n)
+    # a matmul's (m, k, n); a prefill or decode grouped matmul's (m, k, n, groups)
+    shape: tuple[int, ...] | None = None
 
     def flop_rate(self, hw: Hardware) -> float:
         if self.rate == "matmul" and self.shape is not None:
             return hw.matmul_rate(*self.shape)
+        if self.rate == "gmm" and self.shape is not None:
+            return hw.gmm_rate(*self.shape)
         return {"attn_fwd": hw.attn_fwd, "attn_bwd": hw.attn_bwd,
                 "gmm": hw.gmm_flops}.get(self.rate) or hw.flops
 
