@@ -279,7 +279,8 @@ def _kernels_of(compiled_text: str) -> int:
     computation that are not parameters, constants, tuples or bitcasts (fusions, library
     calls, copies, ...)."""
     entry = compiled_text[compiled_text.index("\nENTRY"):]
-    ops = re.findall(r"= \S+ ([\w-]+)\(", entry)
+    # a multi-output fusion's shape is a tuple with spaces: "= (f32[], f32[8]{0}) fusion("
+    ops = re.findall(r"= (?:\([^()]*\)|\S+) ([\w-]+)\(", entry)
     return sum(op not in NOT_KERNELS for op in ops)
 
 

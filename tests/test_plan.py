@@ -486,3 +486,28 @@ def test_mtp_modules_add_their_training_flops():
     added = planned[1] - planned[0]
     assert added > 0
     assert added == pytest.approx(compiled[1] - compiled[0], rel=0.15)
+
+
+def test_kernel_count_of_a_compiled_program():
+    """`plan_check`'s kernel count (the fixed cost per kernel divides by it) takes every
+    launching instruction of the entry computation, multi-output fusions (tuple shapes)
+    included, and leaves out parameters, constants, tuples and bitcasts."""
+    from benchmarks.plan_check import _kernels_of
+
+    hlo = """HloModule m
+
+%fused (p: f32[8]) -> f32[8] {
+  ROOT %n = f32[8]{0} negate(%p)
+}
+
+ENTRY %main (v: f32[8]) -> (f32[], f32[8]) {
+  %v = f32[8]{0} parameter(0)
+  %c = f32[] constant(0)
+  %a = f32[8]{0} fusion(%v), kind=kLoop, calls=%fused
+  %b = (f32[], f32[8]{0}) fusion(%a, %c), kind=kInput, calls=%fused
+  %g = f32[] get-tuple-element(%b), index=0
+  %d = f32[8]{0} custom-call(%a), custom_call_target="x"
+  ROOT %t = (f32[], f32[8]{0}) tuple(%g, %d)
+}
+"""
+    assert _kernels_of(hlo) == 3
