@@ -21,7 +21,9 @@ the same comparison against the planner's GPU count.
 --gpu first measures this device's ceilings into measured.yaml (a bf16 8192^3 matmul; an
 HBM copy, read + write bytes; the fixed cost of a kernel; the config's flash attention
 forward and backward at its training shape; with MoE the grouped matmul at its experts'
-shape; every matmul shape of the per-kernel model taking at least 5 us; once the model is
+shape and, forward, at each of its prefill and decode shapes; every matmul shape of the
+per-kernel model taking at least 2 us at the peak or the HBM rate, its FLOPs over its time
+past the fixed cost; once the model is
 built, the host's time for a call over its decode parameters), then sets the
 planner's predictions under those ceilings, the roofline's and the per-kernel model's
 (`jaxllm/plan/kernel_time.py`), beside the measured figures for --config on one GPU: the
@@ -209,21 +211,28 @@ def cpu_sweep(names: list[str], gpu: bool = False) -> list[dict]:
     return rows
 
 
-def _matmul_shapes(kernel_plan, hw, min_s: float = 5e-6) -> list[tuple[int, int, int]]:
-    """The (m, k, n) of the plan's matmuls that take at least `min_s` at the peak: those
-    whose rate the kernel model reads from a measurement (the smaller are bound by their
-    bytes and fixed cost)."""
+def _busy_s(k, hw) -> float:
+    """A kernel's time at the datasheet's peak and HBM rate, its fixed cost left out."""
+    return max(k.flops / hw.flops, k.bytes / hw.hbm_bw)
+
+
+def _matmul_shapes(kernel_plan, hw, min_s: float = 2e-6) -> list[tuple[int, int, int]]:
+    """The (m, k, n) of the plan's matmuls that take at least `min_s` at the peak FLOP/s
+    or HBM rate: those whose rate the kernel model reads from a measurement (a decode
+    step's few-row products among them, which read their weights below the HBM rate; the
+    smaller are mostly their fixed cost)."""
     kts = [kernel_plan.train, kernel_plan.prefill, *kernel_plan.decode.values()]
     return sorted({k.shape for kt in kts for k in kt.kernels
-                   if k.rate == "matmul" and k.shape and k.flops / hw.flops >= min_s})
+                   if k.rate == "matmul" and k.shape and _busy_s(k, hw) >= min_s})
 
 
-def _gmm_shapes(kernel_plan, hw, min_s: float = 5e-6) -> dict[tuple[int, ...], float]:
+def _gmm_shapes(kernel_plan, hw, min_s: float = 2e-6) -> dict[tuple[int, ...], float]:
     """{(m, k, n, groups): planned FLOPs} of the prefill's and decode steps' grouped
-    matmuls that take at least `min_s` at the peak (training's run at `gmm_flops`)."""
+    matmuls that take at least `min_s` at the peak FLOP/s or HBM rate (training's run at
+    `gmm_flops`)."""
     kts = [kernel_plan.prefill, *kernel_plan.decode.values()]
     return {k.shape: k.flops for kt in kts for k in kt.kernels
-            if k.rate == "gmm" and k.shape and k.flops / hw.flops >= min_s}
+            if k.rate == "gmm" and k.shape and _busy_s(k, hw) >= min_s}
 
 
 def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
@@ -253,10 +262,11 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
         out.update(_attention_rates(cfg))
         if cfg.model.moe is not None:
             out["gmm_flops"] = _gmm_rate(cfg)
-    rates = {f"{m}x{k}x{nn}": _matmul_rate(m, k, nn) for m, k, nn in shapes}
+    fixed = out["kernel_s"]  # in each product's measured time, which the model adds apart
+    rates = {f"{m}x{k}x{nn}": _matmul_rate(m, k, nn, fixed_s=fixed) for m, k, nn in shapes}
     if rates:
         out["matmul_shapes"] = rates
-    grouped = {"x".join(map(str, shape)): _gmm_shape_rate(*shape, flops)
+    grouped = {"x".join(map(str, shape)): _gmm_shape_rate(*shape, flops, fixed_s=fixed)
                for shape, flops in (gmm_shapes or {}).items()}
     if grouped:
         out["gmm_shapes"] = grouped
@@ -327,11 +337,13 @@ def _call_cost(params, tokens, calls: int = 50) -> float:
     return statistics.median(times)
 
 
-def _matmul_rate(m: int, k: int, n: int, reps: tuple[int, int] = (2, 10)) -> float:
+def _matmul_rate(m: int, k: int, n: int, reps: tuple[int, int] = (2, 10),
+                 fixed_s: float = 0.0) -> float:
     """FLOP/s of a bf16 [m, k] x [k, n] matmul. Above 1 TFLOP a call timed alone; below,
     the extra time of a program of more such matmuls per extra matmul, so that a call's
     dispatch does not count (each matmul on operands of its own, as a model's are: no
-    operand shared for XLA to merge them by, none cached from the previous one)."""
+    operand shared for XLA to merge them by, none cached from the previous one), less
+    `fixed_s`, the fixed cost a kernel the model adds to it."""
     import jax
     import jax.numpy as jnp
 
@@ -348,15 +360,16 @@ def _matmul_rate(m: int, k: int, n: int, reps: tuple[int, int] = (2, 10)) -> flo
         f = jax.jit(lambda *ab: [a @ b for a, b in zip(ab[::2], ab[1::2])])
         return time_fn(f, *args, target_s=0.1)
     short, long_ = (program(r) for r in reps)
-    return flops * (reps[1] - reps[0]) / max(long_ - short, 1e-9)
+    return flops / max((long_ - short) / (reps[1] - reps[0]) - fixed_s, 1e-9)
 
 
 def _gmm_shape_rate(m: int, k: int, n: int, groups: int, flops: float,
-                    reps: tuple[int, int] = (2, 10)) -> float:
+                    reps: tuple[int, int] = (2, 10), fixed_s: float = 0.0) -> float:
     """The grouped matmul's forward ([m, k] x [groups, k, n], bf16, the kernel the model's
     prefill and decode pick), its rows spread over the groups as uniform routing spreads
     them (seeded): `flops` (the FLOPs the plan counts for it) over the extra time of a
-    program of more such products per extra product, each on operands of its own."""
+    program of more such products per extra product, each on operands of its own, less
+    `fixed_s`."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -373,7 +386,7 @@ def _gmm_shape_rate(m: int, k: int, n: int, groups: int, flops: float,
         f = jax.jit(lambda *ab: [grouped_matmul(a, b, sizes) for a, b in zip(ab[::2], ab[1::2])])
         return time_fn(f, *args, target_s=0.1)
     short, long_ = (program(r) for r in reps)
-    return flops * (reps[1] - reps[0]) / max(long_ - short, 1e-9)
+    return flops / max((long_ - short) / (reps[1] - reps[0]) - fixed_s, 1e-9)
 
 
 def _attention_rates(cfg) -> dict:
