@@ -22,8 +22,9 @@ the same comparison against the planner's GPU count.
 HBM copy, read + write bytes; the fixed cost of a kernel; the config's flash attention
 forward and backward at its training shape; with MoE the grouped matmul at its experts'
 shape and, forward, at each of its prefill and decode shapes; every matmul shape of the
-per-kernel model taking at least 2 us at the peak or the HBM rate, its FLOPs over its time
-past the fixed cost; once the model is
+per-kernel model taking at least 2 us at the peak or the HBM rate and every fused one-row
+decode product (`decode_gemv`), each rate its FLOPs over its time past the fixed cost; once
+the model is
 built, the host's time for a call over its decode parameters), then sets the
 planner's predictions under those ceilings, the roofline's and the per-kernel model's
 (`jaxllm/plan/kernel_time.py`), beside the measured figures for --config on one GPU: the
@@ -235,16 +236,24 @@ def _gmm_shapes(kernel_plan, hw, min_s: float = 2e-6) -> dict[tuple[int, ...], f
             if k.rate == "gmm" and k.shape and _busy_s(k, hw) >= min_s}
 
 
+def _gemv_shapes(kernel_plan) -> list[tuple[int, int, int]]:
+    """The (m, k, n) of the decode steps' fused one-row products (`decode_gemv`), all of
+    them (a layer's four)."""
+    return sorted({k.shape for kt in kernel_plan.decode.values() for k in kt.kernels
+                   if k.rate == "gemv" and k.shape})
+
+
 def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
                      copy_bytes: int = 4 << 30, chain: tuple[int, int] = (64, 320),
-                     gmm_shapes: dict | None = None) -> dict:
+                     gmm_shapes: dict | None = None, gemv_shapes=()) -> dict:
     """This device's ceilings into `path` (device 0): a bf16 n^3 matmul's FLOP/s, an HBM
     copy's bytes/s (read + write), the fixed cost of a kernel (`kernel_s`, `_kernel_cost`),
     and with
     `cfg` the flash attention kernel's forward and backward FLOP/s at its training shape
     (the config's attention_impl), the grouped matmul's (forward + backward) at its
-    experts' shape, and the FLOP/s of each matmul shape of `shapes` and of each grouped
-    matmul shape of `gmm_shapes` ({(m, k, n, groups): the FLOPs the plan counts})."""
+    experts' shape, and the FLOP/s of each matmul shape of `shapes`, of each grouped
+    matmul shape of `gmm_shapes` ({(m, k, n, groups): the FLOPs the plan counts}) and of
+    each fused decode product's of `gemv_shapes`."""
     import jax
     import jax.numpy as jnp
 
@@ -270,6 +279,9 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
                for shape, flops in (gmm_shapes or {}).items()}
     if grouped:
         out["gmm_shapes"] = grouped
+    fused = {f"{m}x{k}x{nn}": _gemv_rate(m, k, nn, fixed_s=fixed) for m, k, nn in gemv_shapes}
+    if fused:
+        out["gemv_shapes"] = fused
     save_measured(path, base, **out)
     print(f"measured ceilings -> {path}: {out['flops'] / 1e12:.0f} TFLOP/s, "
           f"{out['hbm_bw'] / 1e12:.2f} TB/s, {out['kernel_s'] * 1e6:.2f} us a kernel"
@@ -277,7 +289,8 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
                     for k in ("attn_fwd", "attn_bwd", "gmm_flops") if k in out)
           + (f"; {len(rates)} matmul shapes, {min(rates.values()) / 1e12:.0f}-"
              f"{max(rates.values()) / 1e12:.0f} TFLOP/s" if rates else "")
-          + "".join(f"; grouped {k} {v / 1e12:.0f} TFLOP/s" for k, v in grouped.items()))
+          + "".join(f"; grouped {k} {v / 1e12:.0f} TFLOP/s" for k, v in grouped.items())
+          + "".join(f"; fused decode {k} {v / 1e12:.1f} TFLOP/s" for k, v in fused.items()))
     return out
 
 
@@ -389,6 +402,26 @@ def _gmm_shape_rate(m: int, k: int, n: int, groups: int, flops: float,
     return flops / max((long_ - short) / (reps[1] - reps[0]) - fixed_s, 1e-9)
 
 
+def _gemv_rate(m: int, k: int, n: int, reps: tuple[int, int] = (2, 10),
+               fixed_s: float = 0.0) -> float:
+    """FLOP/s of the fused decode product (`decode_gemv`, plain epilogue) of x [m, k] with
+    weights [n, k], bf16: 2 m k n over the extra time of a program of more such products
+    per extra product, each on operands of its own, less `fixed_s`."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import time_fn
+    from jaxllm.kernels.pallas.gemv_triton import decode_gemv
+
+    def program(count):
+        args = [jnp.full(shape, 1.0 + i, jnp.bfloat16)
+                for i in range(count) for shape in ((m, k), (n, k))]
+        f = jax.jit(lambda *xw: [decode_gemv(x, w) for x, w in zip(xw[::2], xw[1::2])])
+        return time_fn(f, *args, target_s=0.1)
+    short, long_ = (program(r) for r in reps)
+    return 2 * m * k * n / max((long_ - short) / (reps[1] - reps[0]) - fixed_s, 1e-9)
+
+
 def _attention_rates(cfg) -> dict:
     """The flash kernel (model.attention_impl) at the training shape: forward FLOP/s, and
     the backward's 2.5x-forward FLOPs over the time fwd+bwd takes beyond the forward."""
@@ -483,7 +516,8 @@ def gpu_check(args) -> list[dict]:
     kernels, hw = plan(cfg, args.hardware, 1, **plan_args).kernels, get_hardware(args.hardware)
     ceilings = measure_ceilings(args.measured, args.hardware, cfg, _matmul_shapes(kernels, hw),
                                 *((512, 1 << 24) if args.quick else ()),
-                                gmm_shapes=_gmm_shapes(kernels, hw))
+                                gmm_shapes=_gmm_shapes(kernels, hw),
+                                gemv_shapes=_gemv_shapes(kernels))
     p = plan(cfg, args.hardware, 1, measured=args.measured, **plan_args)
     rows = []
 

@@ -395,6 +395,33 @@ def test_measured_grouped_matmul_shapes(tmp_path):
     assert train_gmm and all(k.flop_rate(hw) == 6e14 for k in train_gmm)
 
 
+def test_measured_fused_decode_products(tmp_path):
+    """A one-row decode step of a dense model runs its layer's four products as fused
+    kernels (`decode_gemv`): their shapes are the plan's, a measured rate at a shape times
+    that product, and without one they stay bound by their bytes."""
+    cfg = load_config("configs/llama_1b.yaml", ["parallelism.dp=1"])
+    m = cfg.model
+    p0 = plan(cfg, "h200", 1, batches=[1, 32])
+    fused = [k for k in p0.kernels.decode[1].kernels if k.rate == "gemv"]
+    qkv = (m.n_heads + 2 * m.n_kv_heads) * m.resolved_head_dim
+    assert {k.shape for k in fused} == {(1, m.d_model, qkv), (1, m.d_model, m.d_model),
+                                        (1, m.d_model, 2 * m.mlp_dim), (1, m.mlp_dim, m.d_model)}
+    assert not any(k.rate == "gemv" for k in p0.kernels.decode[32].kernels)  # cuBLAS rows
+    hw0 = p0.hardware
+    assert all(k.seconds(hw0) == pytest.approx(k.launches * (hw0.kernel_s + k.bytes / hw0.hbm_bw))
+               for k in fused)
+    path = tmp_path / "measured.yaml"
+    down = (1, m.mlp_dim, m.d_model)
+    save_measured(path, "h200", gemv_shapes={"x".join(map(str, down)): 1e12})
+    hw = get_hardware("h200", path)
+    assert hw.gemv_rate(*down) == 1e12 and hw.gemv_rate(1, 2, 3) == hw.flops
+    p = plan(cfg, "h200", 1, measured=str(path), batches=[1, 32])
+    slow = [k for k in p.kernels.decode[1].kernels if k.shape == down]
+    assert slow and all(k.seconds(hw) == pytest.approx(
+        k.launches * (hw.kernel_s + 2 * m.mlp_dim * m.d_model / 1e12)) for k in slow)
+    assert p.kernel_tpot_s[32] == pytest.approx(p0.kernel_tpot_s[32])
+
+
 def test_pipeline_stages_and_experts_of_an_moe_model():
     """With pp the stages split the MoE stack and the first, the busiest, also runs the
     dense layers (sharding/pipeline.py): its all-to-alls and its experts' rows are that

@@ -27,6 +27,9 @@ and what the per-kernel time model (`kernel_time.py`) adds, each optional:
                    FLOP/s} (lhs [M, K] x rhs [G, K, N], the planned FLOPs of its row
                    tiles over the time), used for prefill and decode products of exactly
                    that shape in place of `gmm_flops`
+    gemv_shapes    FLOP/s of the fused decode products (`kernels.pallas.gemv_triton`'s
+                   `decode_gemv`, x [M, K] with weights [N, K]) at given shapes,
+                   {"MxKxN": FLOP/s, over the time past `kernel_s`}
 
 Datasheet figures are ceilings no program reaches; a measured-ceilings file (YAML or JSON)
 replaces some of them with what a bf16 matmul and an HBM copy reach on the machine
@@ -82,6 +85,7 @@ class Hardware:
     gmm_flops: float | None = None
     matmul_shapes: tuple[tuple[str, float], ...] = ()
     gmm_shapes: tuple[tuple[str, float], ...] = ()
+    gemv_shapes: tuple[tuple[str, float], ...] = ()
 
     def matmul_rate(self, m: int, k: int, n: int) -> float:
         """FLOP/s of an [m, k] x [k, n] bf16 matmul: its measured rate, else `flops`."""
@@ -93,6 +97,11 @@ class Hardware:
         at that shape, else `gmm_flops`, else `flops`."""
         key = f"{int(m)}x{int(k)}x{int(n)}x{int(groups)}"
         return dict(self.gmm_shapes).get(key, self.gmm_flops or self.flops)
+
+    def gemv_rate(self, m: int, k: int, n: int) -> float:
+        """FLOP/s of the fused decode product of x [m, k] with weights [n, k]: its measured
+        rate at that shape, else `flops` (its bytes bound it)."""
+        return dict(self.gemv_shapes).get(f"{int(m)}x{int(k)}x{int(n)}", self.flops)
 
     @property
     def ridge(self) -> float:
@@ -110,9 +119,10 @@ HARDWARE: dict[str, Hardware] = {
     "b200": Hardware("B200", 2250e12, 8.0e12, 180 * GB, 900 * GB, 50 * GB),
 }
 _FIELDS = ("flops", "hbm_bw", "hbm", "nvlink_bw", "ib_bw", "per_host", "kernel_s", "call_s",
-           "attn_fwd", "attn_bwd", "gmm_flops", "matmul_shapes", "gmm_shapes")
+           "attn_fwd", "attn_bwd", "gmm_flops", "matmul_shapes", "gmm_shapes", "gemv_shapes")
 _SHAPE_KEYS = {"matmul_shapes": (r"\d+x\d+x\d+", "MxKxN"),
-               "gmm_shapes": (r"\d+x\d+x\d+x\d+", "MxKxNxG")}
+               "gmm_shapes": (r"\d+x\d+x\d+x\d+", "MxKxNxG"),
+               "gemv_shapes": (r"\d+x\d+x\d+", "MxKxN")}
 
 
 def get_hardware(name: str | Hardware, measured: str | Path | None = None) -> Hardware:
@@ -181,7 +191,8 @@ def load_measured(path: str | Path, base: Hardware | None = None) -> Hardware:
 
 
 def save_measured(path: str | Path, base: str, **ceilings) -> None:
-    """Write a measured-ceilings file over the table's entry `base` (`matmul_shapes` and
-    `gmm_shapes`: dicts of "MxKxN" / "MxKxNxG" -> FLOP/s; the other ceilings numbers)."""
+    """Write a measured-ceilings file over the table's entry `base` (`matmul_shapes`,
+    `gemv_shapes` and `gmm_shapes`: dicts of "MxKxN" / "MxKxNxG" -> FLOP/s; the other
+    ceilings numbers)."""
     out = {k: (dict(v) if k in _SHAPE_KEYS else float(v)) for k, v in ceilings.items()}
     Path(path).write_text(yaml.safe_dump({"base": base, **out}, sort_keys=False))

@@ -114,13 +114,17 @@ def _gqa_layer(m: ModelConfig, B: int, S: int, ctx: int, c: float, tp: int, pref
     T = B * S
     X, Q, K = T * d * c, T * hq * hd * c, T * hkv * hd * c
     kv_read = 2 * B * hkv * ctx * hd * c  # the live K/V of every row
-    if fused:  # the five fused kernels, each reading its weights
-        return [Kernel("matmul", 1, 2 * T * d * (hq + 2 * hkv) * hd,
-                       X + c * d * (hq + 2 * hkv) * hd + Q + 2 * K, "hbm"),
+    if fused:  # the five fused kernels, each reading its weights (`decode_gemv`)
+        n_qkv = (hq + 2 * hkv) * hd
+        return [Kernel("matmul", 1, 2 * T * d * n_qkv, X + c * d * n_qkv + Q + 2 * K, "gemv",
+                       (T, d, n_qkv)),
                 Kernel("attention", 1, bytes=kv_read + 2 * Q),
-                Kernel("matmul", 1, 2 * T * hq * hd * d, Q + c * hq * hd * d + 2 * X, "hbm"),
-                Kernel("matmul", 1, 2 * T * d * 2 * f, X + c * d * 2 * f + T * f * c, "hbm"),
-                Kernel("matmul", 1, 2 * T * f * d, T * f * c + c * f * d + 2 * X, "hbm")]
+                Kernel("matmul", 1, 2 * T * hq * hd * d, Q + c * hq * hd * d + 2 * X, "gemv",
+                       (T, hq * hd, d)),
+                Kernel("matmul", 1, 2 * T * d * 2 * f, X + c * d * 2 * f + T * f * c, "gemv",
+                       (T, d, 2 * f)),
+                Kernel("matmul", 1, 2 * T * f * d, T * f * c + c * f * d + 2 * X, "gemv",
+                       (T, f, d))]
     ks = _norm(T, d, c) + [_gemm(T, d, (hq + 2 * hkv) * hd, c), _ew("rope", 2 * (Q + K), 2),
                            _ew("cache write", 4 * K, 2)]
     if prefill:

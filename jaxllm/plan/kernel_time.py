@@ -6,8 +6,9 @@ plus a fixed cost per launch.
     rate      matmuls: the measured rate of that [m, k] x [k, n] shape where the ceilings
               have one (`Hardware.matmul_shapes`), else `flops`; flash attention: `attn_fwd`
               and `attn_bwd`; the experts' grouped matmul: its measured forward rate at
-              that shape (`Hardware.gmm_shapes`: prefill and decode), else `gmm_flops`
-              (each else `flops`)
+              that shape (`Hardware.gmm_shapes`: prefill and decode), else `gmm_flops`;
+              the fused one-row decode products (`decode_gemv`): their measured rate at
+              that shape (`Hardware.gemv_shapes`); each else `flops`
     bytes     what the kernel reads and writes in HBM; every elementwise, reduction, copy
               and gather kernel has FLOPs 0, so it takes its bytes at the HBM rate
 
@@ -38,7 +39,7 @@ class Kernel:
     launches: float = 1.0
     flops: float = 0.0
     bytes: float = 0.0
-    rate: str = "hbm"  # "matmul", "attn_fwd", "attn_bwd", "gmm" or "hbm" (no FLOPs)
+    rate: str = "hbm"  # "matmul", "gemv", "attn_fwd", "attn_bwd", "gmm" or "hbm" (no FLOPs)
     # a matmul's (m, k, n); a prefill or decode grouped matmul's (m, k, n, groups)
     shape: tuple[int, ...] | None = None
 
@@ -47,6 +48,8 @@ class Kernel:
             return hw.matmul_rate(*self.shape)
         if self.rate == "gmm" and self.shape is not None:
             return hw.gmm_rate(*self.shape)
+        if self.rate == "gemv" and self.shape is not None:
+            return hw.gemv_rate(*self.shape)
         return {"attn_fwd": hw.attn_fwd, "attn_bwd": hw.attn_bwd,
                 "gmm": hw.gmm_flops}.get(self.rate) or hw.flops
 
