@@ -25,8 +25,8 @@ and what the per-kernel time model (`kernel_time.py`) adds, each optional:
                    in place of `flops`
     gmm_shapes     FLOP/s of the grouped matmul's forward at given shapes, {"MxKxNxG":
                    FLOP/s} (lhs [M, K] x rhs [G, K, N], the planned FLOPs of its row
-                   tiles over the time), used for prefill and decode products of exactly
-                   that shape in place of `gmm_flops`
+                   tiles over the time past `kernel_s`), used for prefill and decode
+                   products of exactly that shape in place of `gmm_flops`
     gemv_shapes    FLOP/s of the fused decode products (`kernels.pallas.gemv_triton`'s
                    `decode_gemv`, x [M, K] with weights [N, K]) at given shapes,
                    {"MxKxN": FLOP/s, over the time past `kernel_s`}
