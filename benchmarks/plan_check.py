@@ -350,13 +350,28 @@ def _call_cost(params, tokens, calls: int = 50) -> float:
     return statistics.median(times)
 
 
-def _matmul_rate(m: int, k: int, n: int, reps: tuple[int, int] = (2, 10),
-                 fixed_s: float = 0.0) -> float:
+def _extra_time(product, shapes, reps: tuple[int, int] = (2, 10)) -> float:
+    """Seconds one more `product(*operands)` adds to a compiled program of several, each on
+    bf16 operands of `shapes` of its own (as a model's are: none shared for XLA to merge
+    them by, none cached from the previous one), so that a call's dispatch does not count."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import time_fn
+
+    n = len(shapes)
+
+    def program(count):
+        args = [jnp.full(shape, 1.0 + i, jnp.bfloat16) for i in range(count) for shape in shapes]
+        f = jax.jit(lambda *a: [product(*a[i:i + n]) for i in range(0, len(a), n)])
+        return time_fn(f, *args, target_s=0.1)
+    short, long_ = (program(r) for r in reps)
+    return (long_ - short) / (reps[1] - reps[0])
+
+
+def _matmul_rate(m: int, k: int, n: int, fixed_s: float = 0.0) -> float:
     """FLOP/s of a bf16 [m, k] x [k, n] matmul. Above 1 TFLOP a call timed alone; below,
-    the extra time of a program of more such matmuls per extra matmul, so that a call's
-    dispatch does not count (each matmul on operands of its own, as a model's are: no
-    operand shared for XLA to merge them by, none cached from the previous one), less
-    `fixed_s`, the fixed cost a kernel the model adds to it."""
+    its `_extra_time` less `fixed_s`, the fixed cost a kernel the model adds to it."""
     import jax
     import jax.numpy as jnp
 
@@ -366,60 +381,33 @@ def _matmul_rate(m: int, k: int, n: int, reps: tuple[int, int] = (2, 10),
     if flops > 1e12:
         lhs, rhs = jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16)
         return flops / time_fn(jax.jit(jnp.matmul), lhs, rhs)
-
-    def program(count):
-        args = [jnp.full(shape, 1.0 + i, jnp.bfloat16)
-                for i in range(count) for shape in ((m, k), (k, n))]
-        f = jax.jit(lambda *ab: [a @ b for a, b in zip(ab[::2], ab[1::2])])
-        return time_fn(f, *args, target_s=0.1)
-    short, long_ = (program(r) for r in reps)
-    return flops / max((long_ - short) / (reps[1] - reps[0]) - fixed_s, 1e-9)
+    return flops / max(_extra_time(lambda a, b: a @ b, ((m, k), (k, n))) - fixed_s, 1e-9)
 
 
 def _gmm_shape_rate(m: int, k: int, n: int, groups: int, flops: float,
-                    reps: tuple[int, int] = (2, 10), fixed_s: float = 0.0) -> float:
+                    fixed_s: float = 0.0) -> float:
     """The grouped matmul's forward ([m, k] x [groups, k, n], bf16, the kernel the model's
     prefill and decode pick), its rows spread over the groups as uniform routing spreads
-    them (seeded): `flops` (the FLOPs the plan counts for it) over the extra time of a
-    program of more such products per extra product, each on operands of its own, less
+    them (seeded): `flops` (the FLOPs the plan counts for it) over its `_extra_time` less
     `fixed_s`."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.common import time_fn
     from jaxllm.kernels import grouped_matmul
 
     rows = np.random.default_rng(0).integers(0, groups, m)
     sizes = jnp.asarray(np.bincount(rows, minlength=groups), jnp.int32)
-
-    def program(count):
-        args = [jnp.full(shape, 1.0 + i, jnp.bfloat16)
-                for i in range(count) for shape in ((m, k), (groups, k, n))]
-        f = jax.jit(lambda *ab: [grouped_matmul(a, b, sizes) for a, b in zip(ab[::2], ab[1::2])])
-        return time_fn(f, *args, target_s=0.1)
-    short, long_ = (program(r) for r in reps)
-    return flops / max((long_ - short) / (reps[1] - reps[0]) - fixed_s, 1e-9)
+    t = _extra_time(lambda a, b: grouped_matmul(a, b, sizes), ((m, k), (groups, k, n)))
+    return flops / max(t - fixed_s, 1e-9)
 
 
-def _gemv_rate(m: int, k: int, n: int, reps: tuple[int, int] = (2, 10),
-               fixed_s: float = 0.0) -> float:
+def _gemv_rate(m: int, k: int, n: int, fixed_s: float = 0.0) -> float:
     """FLOP/s of the fused decode product (`decode_gemv`, plain epilogue) of x [m, k] with
-    weights [n, k], bf16: 2 m k n over the extra time of a program of more such products
-    per extra product, each on operands of its own, less `fixed_s`."""
-    import jax
-    import jax.numpy as jnp
-
-    from benchmarks.common import time_fn
+    weights [n, k], bf16: 2 m k n over its `_extra_time` less `fixed_s`."""
     from jaxllm.kernels.pallas.gemv_triton import decode_gemv
 
-    def program(count):
-        args = [jnp.full(shape, 1.0 + i, jnp.bfloat16)
-                for i in range(count) for shape in ((m, k), (n, k))]
-        f = jax.jit(lambda *xw: [decode_gemv(x, w) for x, w in zip(xw[::2], xw[1::2])])
-        return time_fn(f, *args, target_s=0.1)
-    short, long_ = (program(r) for r in reps)
-    return 2 * m * k * n / max((long_ - short) / (reps[1] - reps[0]) - fixed_s, 1e-9)
+    t = _extra_time(decode_gemv, ((m, k), (n, k)))
+    return 2 * m * k * n / max(t - fixed_s, 1e-9)
 
 
 def _attention_rates(cfg) -> dict:
