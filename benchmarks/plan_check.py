@@ -48,6 +48,7 @@ import time
 BASE = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=16"]
 MOE, MLA = "configs/tiny_moe.yaml", "configs/tiny_mla.yaml"
 MOE3 = "model.n_layers=3"  # 1 dense + 2 MoE layers (a scanned stack, as a real model's)
+FLUSH_BYTES = 256 << 20  # more than any GPU's L2 cache (50 MiB on an H100)
 TIMED_RUNS = 5  # generations timed per batch on the GPU (--gpu); their median is reported
 PP = ["parallelism.pp=2", "train.microbatches=4"]  # 2 stages of one layer, 4 microbatches
 CONFIGS = {
@@ -300,11 +301,30 @@ NOT_KERNELS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
 def _kernels_of(compiled_text: str) -> int:
     """Kernels a compiled program launches, about: the instructions of its entry
     computation that are not parameters, constants, tuples or bitcasts (fusions, library
-    calls, copies, ...)."""
-    entry = compiled_text[compiled_text.index("\nENTRY"):]
-    # a multi-output fusion's shape is a tuple with spaces: "= (f32[], f32[8]{0}) fusion("
-    ops = re.findall(r"= (?:\([^()]*\)|\S+) ([\w-]+)\(", entry)
-    return sum(op not in NOT_KERNELS for op in ops)
+    calls, copies, ...); a while loop counts its condition's and body's kernels once (one
+    iteration's), a call or conditional those of the computations it calls."""
+    comps = {}  # computation name -> its text
+    for block in re.split(r"\n(?=\S)", compiled_text):
+        head = re.match(r"(ENTRY )?%?([\w.-]+)", block)
+        if head and "{" in block:
+            comps["ENTRY" if head.group(1) else head.group(2)] = block
+
+    def count(name: str) -> int:
+        n = 0
+        for line in comps.get(name, "").splitlines():
+            # the first "name(" after "= ": a tuple shape's parentheses follow no name
+            op = re.search(r"= .*? ([a-z][\w-]*)\(", line)
+            if op is None or op.group(1) in NOT_KERNELS:
+                continue
+            if op.group(1) in ("while", "call", "conditional"):
+                called = re.findall(r"(?:condition|body|to_apply|branch_computations|"
+                                    r"true_computation|false_computation)=\{?%?([\w.-]+)"
+                                    r"(?:, %([\w.-]+))*", line)
+                n += sum(count(c) for group in called for c in group if c)
+            else:
+                n += 1
+        return n
+    return count("ENTRY")
 
 
 def _kernel_cost(chain: tuple[int, int], repeats: int = 3) -> float:
@@ -333,6 +353,29 @@ def _kernel_cost(chain: tuple[int, int], repeats: int = 3) -> float:
     return max(statistics.median(costs), 1e-8)
 
 
+def _compiled_kernels(dparams, batch: int, prompt_len: int, new_tokens: int,
+                      chunk: int) -> tuple[int, int]:
+    """Kernels of the compiled prefill of `batch` prompts of `prompt_len` tokens and of one
+    decode step (`decode_chunk` of one step, greedy) after it, as `generate_ids` runs them."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.inference.generate import decode_chunk, prefill
+    from jaxllm.inference.step import round_up
+
+    cache_len = round_up(prompt_len + new_tokens + chunk, 64)  # as generate_ids sizes it
+    opts = dict(temperature=0.0, top_k=0, top_p=1.0)
+    tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    lowered = prefill.lower(dparams, tokens, lengths, key, cache_len=cache_len, **opts)
+    cache, token = jax.eval_shape(
+        lambda *a: prefill(*a, cache_len=cache_len, **opts), dparams, tokens, lengths, key)
+    step = decode_chunk.lower(dparams, cache, token, lengths, jax.ShapeDtypeStruct(
+        (batch,), jnp.bool_), key, steps=1, eos_id=None, **opts)
+    return (_kernels_of(lowered.compile().as_text()), _kernels_of(step.compile().as_text()))
+
+
 def _call_cost(params, tokens, calls: int = 50) -> float:
     """The host's time for one call of a compiled program taking the model's decode
     parameters (every array passed, none pruned) and a prompt, to its first result read
@@ -353,7 +396,9 @@ def _call_cost(params, tokens, calls: int = 50) -> float:
 def _extra_time(product, shapes, reps: tuple[int, int] = (2, 10)) -> float:
     """Seconds one more `product(*operands)` adds to a compiled program of several, each on
     bf16 operands of `shapes` of its own (as a model's are: none shared for XLA to merge
-    them by, none cached from the previous one), so that a call's dispatch does not count."""
+    them by), so that a call's dispatch does not count. Each program also adds one to an
+    array of FLUSH_BYTES: the products read their operands from HBM, not from the L2 cache
+    the previous call left them in, and both programs run longer than their dispatch."""
     import jax
     import jax.numpy as jnp
 
@@ -361,10 +406,13 @@ def _extra_time(product, shapes, reps: tuple[int, int] = (2, 10)) -> float:
 
     n = len(shapes)
 
+    flush = jnp.ones((FLUSH_BYTES // 4,), jnp.float32)
+
     def program(count):
         args = [jnp.full(shape, 1.0 + i, jnp.bfloat16) for i in range(count) for shape in shapes]
-        f = jax.jit(lambda *a: [product(*a[i:i + n]) for i in range(0, len(a), n)])
-        return time_fn(f, *args, target_s=0.1)
+        f = jax.jit(lambda fl, *a: [fl + 1] + [product(*a[i:i + n])
+                                              for i in range(0, len(a), n)])
+        return time_fn(f, flush, *args, target_s=0.1)
     short, long_ = (program(r) for r in reps)
     return (long_ - short) / (reps[1] - reps[0])
 
@@ -466,13 +514,17 @@ def _gmm_rate(cfg) -> float:
 
 
 COLUMNS = ["what", "roofline", "kernel model", "measured", "measured / kernel",
-           "measured / roofline", "bound"]
+           "measured / roofline", "bound", "kernels: model / compiled"]
 
 
-def _row(what: str, roofline: float, kernel: float, measured: float, bound: str) -> dict:
-    return {"what": what, "roofline": roofline, "kernel model": kernel, "measured": measured,
-            "measured / kernel": measured / kernel, "measured / roofline": measured / roofline,
-            "bound": bound}
+def _row(what: str, roofline: float, kernel: float, measured: float, bound: str,
+         kernels: tuple[float, int] | None = None) -> dict:
+    row = {"what": what, "roofline": roofline, "kernel model": kernel, "measured": measured,
+           "measured / kernel": measured / kernel, "measured / roofline": measured / roofline,
+           "bound": bound}
+    if kernels is not None:
+        row["kernels: model / compiled"] = f"{kernels[0]:.0f} / {kernels[1]}"
+    return row
 
 
 def gpu_check(args) -> list[dict]:
@@ -545,13 +597,16 @@ def gpu_check(args) -> list[dict]:
         runs = [generate_ids(dparams, prompts, warmup=False, **opts)[1]
                 for _ in range(TIMED_RUNS)]
         timings = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "tpot_s")}
+        n_prefill, n_step = _compiled_kernels(dparams, b, p.prompt_len, args.new_tokens, chunk)
         if b == 1:  # the planner's TTFT is one prompt's
             rows.append(_row(f"TTFT (ms) B={b}, prompt {p.prompt_len}", 1e3 * p.ttft_s,
                              1e3 * p.kernel_ttft_s, 1e3 * timings["ttft_s"],
-                             p.prefill.bound(p.hardware)))
+                             p.prefill.bound(p.hardware),
+                             (p.kernels.prefill.launches, n_prefill)))
         rows.append(_row(f"TPOT (ms) B={b}, context {p.context}", 1e3 * p.tpot_s[b],
                          1e3 * p.kernel_tpot_s[b], 1e3 * timings["tpot_s"],
-                         p.decode[b].bound(p.hardware)))
+                         p.decode[b].bound(p.hardware),
+                         (p.kernels.decode[b].launches, n_step)))
         print(rows[-1], flush=True)
     print_table(rows, COLUMNS, title=f"planner ({p.hardware.name}): roofline and per-kernel "
                                      f"model vs measured: {args.config}")

@@ -518,7 +518,8 @@ def test_mtp_modules_add_their_training_flops():
 def test_kernel_count_of_a_compiled_program():
     """`plan_check`'s kernel count (the fixed cost per kernel divides by it) takes every
     launching instruction of the entry computation, multi-output fusions (tuple shapes)
-    included, and leaves out parameters, constants, tuples and bitcasts."""
+    included, and leaves out parameters, constants, tuples and bitcasts; a while loop
+    counts one iteration's kernels (its condition's and body's)."""
     from benchmarks.plan_check import _kernels_of
 
     hlo = """HloModule m
@@ -538,3 +539,26 @@ ENTRY %main (v: f32[8]) -> (f32[], f32[8]) {
 }
 """
     assert _kernels_of(hlo) == 3
+    loop = """HloModule l
+
+%body (c: (s32[], (f32[8], f32[8]))) -> (s32[], (f32[8], f32[8])) {
+  %c = (s32[], (f32[8]{0}, f32[8]{0})) parameter(0)
+  %x = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused
+  %y = f32[8]{0} custom-call(%x), custom_call_target="x"
+  %i = s32[] fusion(%c), kind=kLoop, calls=%fused
+  ROOT %t = (s32[], (f32[8]{0}, f32[8]{0})) tuple(%i, %x, %y)
+}
+
+%cond (c: (s32[], (f32[8], f32[8]))) -> pred[] {
+  %c = (s32[], (f32[8]{0}, f32[8]{0})) parameter(0)
+  ROOT %p = pred[] fusion(%c), kind=kLoop, calls=%fused
+}
+
+ENTRY %main (v: f32[8]) -> f32[8] {
+  %v = f32[8]{0} parameter(0)
+  %a = f32[8]{0} fusion(%v), kind=kLoop, calls=%fused
+  %w = (s32[], (f32[8]{0}, f32[8]{0})) while(%a), condition=%cond, body=%body
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+    assert _kernels_of(loop) == 5  # 1 + the condition's 1 + the body's 3
