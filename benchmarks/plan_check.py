@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/plan_check.py --cpu [--configs NAME ...]   # memory sweep
     PYTHONPATH=. python benchmarks/plan_check.py --gpu [--config configs/llama_1b.yaml]
-        [--batches 1 32 64] [--prompt-len 1024] [--new-tokens 128] [--quick]
+        [--batches 1 32 64] [--prompt-len 1024] [--new-tokens 128] [--hlo-dir DIR] [--quick]
     PYTHONPATH=. python benchmarks/plan_check.py --gpu-memory [--configs NAME ...]
 
 --cpu compiles the train step of tiny models (dense, MoE, MLA) on 8 simulated CPU devices
@@ -23,16 +23,17 @@ HBM copy, read + write bytes; the fixed cost of a kernel; the config's flash att
 forward and backward at its training shape; with MoE the grouped matmul at its experts'
 shape and, forward, at each of its prefill and decode shapes; every matmul shape of the
 per-kernel model taking at least 2 us at the peak or the HBM rate and every fused one-row
-decode product (`decode_gemv`), each rate its FLOPs over its time past the fixed cost; once
-the model is
-built, the host's time for a call over its decode parameters), then sets the
-planner's predictions under those ceilings, the roofline's and the per-kernel model's
-(`jaxllm/plan/kernel_time.py`), beside the measured figures for --config on one GPU: the
-train step's peak memory (its `memory_analysis()`) and time (the trainer's jitted step on
-random tokens), TTFT for one --prompt-len prompt (with batch 1) and TPOT at batches 1, 32, 64
+decode product (`decode_gemv`), each rate its FLOPs over its time past the fixed cost, the
+operands read from HBM (`_extra_time`); once the model is built, the host's time for a
+call over its decode parameters), then sets the planner's predictions under those
+ceilings, the roofline's and the per-kernel model's (`jaxllm/plan/kernel_time.py`),
+beside the measured figures for --config on one GPU: the train step's peak memory (its
+`memory_analysis()`) and time (the trainer's jitted step on random tokens), TTFT for one
+--prompt-len prompt (with batch 1) and TPOT at batches 1, 32, 64
 (`jaxllm.inference.generate.generate_ids`, greedy, --new-tokens tokens, decode chunks of
 32; the median of TIMED_RUNS generations after a warm one), with the ratios measured /
-kernel model and measured / roofline.
+kernel model and measured / roofline, and the kernels the model counts beside those of
+the compiled prefill and decode step (their text into --hlo-dir, if given).
 """
 from __future__ import annotations
 
@@ -353,10 +354,12 @@ def _kernel_cost(chain: tuple[int, int], repeats: int = 3) -> float:
     return max(statistics.median(costs), 1e-8)
 
 
-def _compiled_kernels(dparams, batch: int, prompt_len: int, new_tokens: int,
-                      chunk: int) -> tuple[int, int]:
+def _compiled_kernels(dparams, batch: int, prompt_len: int, new_tokens: int, chunk: int,
+                      hlo_dir: str | None = None) -> tuple[int, int]:
     """Kernels of the compiled prefill of `batch` prompts of `prompt_len` tokens and of one
-    decode step (`decode_chunk` of one step, greedy) after it, as `generate_ids` runs them."""
+    decode step (`decode_chunk` of one step, greedy) after it, as `generate_ids` runs them;
+    with `hlo_dir`, both compiled programs' text is written there (prefill_B.hlo,
+    decode_B.hlo) to take apart off the GPU."""
     import jax
     import jax.numpy as jnp
 
@@ -373,7 +376,13 @@ def _compiled_kernels(dparams, batch: int, prompt_len: int, new_tokens: int,
         lambda *a: prefill(*a, cache_len=cache_len, **opts), dparams, tokens, lengths, key)
     step = decode_chunk.lower(dparams, cache, token, lengths, jax.ShapeDtypeStruct(
         (batch,), jnp.bool_), key, steps=1, eos_id=None, **opts)
-    return (_kernels_of(lowered.compile().as_text()), _kernels_of(step.compile().as_text()))
+    texts = {"prefill": lowered.compile().as_text(), "decode": step.compile().as_text()}
+    if hlo_dir:
+        os.makedirs(hlo_dir, exist_ok=True)
+        for name, text in texts.items():
+            with open(os.path.join(hlo_dir, f"{name}_{batch}.hlo"), "w") as f:
+                f.write(text)
+    return _kernels_of(texts["prefill"]), _kernels_of(texts["decode"])
 
 
 def _call_cost(params, tokens, calls: int = 50) -> float:
@@ -597,7 +606,8 @@ def gpu_check(args) -> list[dict]:
         runs = [generate_ids(dparams, prompts, warmup=False, **opts)[1]
                 for _ in range(TIMED_RUNS)]
         timings = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "tpot_s")}
-        n_prefill, n_step = _compiled_kernels(dparams, b, p.prompt_len, args.new_tokens, chunk)
+        n_prefill, n_step = _compiled_kernels(dparams, b, p.prompt_len, args.new_tokens, chunk,
+                                              args.hlo_dir)
         if b == 1:  # the planner's TTFT is one prompt's
             rows.append(_row(f"TTFT (ms) B={b}, prompt {p.prompt_len}", 1e3 * p.ttft_s,
                              1e3 * p.kernel_ttft_s, 1e3 * timings["ttft_s"],
@@ -629,6 +639,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="--gpu on a tiny model (smoke test)")
+    ap.add_argument("--hlo-dir", help="--gpu: write the compiled prefill and decode step there")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     if args.cpu:
