@@ -22,7 +22,8 @@ the same comparison against the planner's GPU count.
 HBM copy, read + write bytes; the fixed cost of a kernel; the config's flash attention
 forward and backward at its training shape; with MoE the grouped matmul at its experts'
 shape and, forward, at each of its prefill and decode shapes; every matmul shape of the
-per-kernel model taking at least 2 us at the peak or the HBM rate and every fused one-row
+per-kernel model taking at least 2 us at the peak or the HBM rate (the weights laid out as
+its program holds them) and every fused one-row
 decode product (`decode_gemv`), each rate its FLOPs over its time past the fixed cost, the
 operands read from HBM (`_extra_time`); once the model is built, the host's time for a
 call over its decode parameters), then sets the planner's predictions under those
@@ -219,14 +220,19 @@ def _busy_s(k, hw) -> float:
     return max(k.flops / hw.flops, k.bytes / hw.hbm_bw)
 
 
-def _matmul_shapes(kernel_plan, hw, min_s: float = 2e-6) -> list[tuple[int, int, int]]:
-    """The (m, k, n) of the plan's matmuls that take at least `min_s` at the peak FLOP/s
-    or HBM rate: those whose rate the kernel model reads from a measurement (a decode
-    step's few-row products among them, which read their weights below the HBM rate; the
-    smaller are mostly their fixed cost)."""
-    kts = [kernel_plan.train, kernel_plan.prefill, *kernel_plan.decode.values()]
-    return sorted({k.shape for kt in kts for k in kt.kernels
-                   if k.rate == "matmul" and k.shape and _busy_s(k, hw) >= min_s})
+def _matmul_shapes(kernel_plan, hw, min_s: float = 2e-6) -> list[tuple[int, int, int, bool]]:
+    """The (m, k, n, out_major) of the plan's matmuls that take at least `min_s` at the
+    peak FLOP/s or HBM rate: those whose rate the kernel model reads from a measurement (a
+    decode step's few-row products among them, which read their weights below the HBM
+    rate; the smaller are mostly their fixed cost). out_major: the weights [n, k], as the
+    decode program holds them (`inference/params.py`) for its prefill and decode steps;
+    training's are [k, n]. A shape in both takes the decode program's layout."""
+    def shapes(kts):
+        return {k.shape for kt in kts for k in kt.kernels
+                if k.rate == "matmul" and k.shape and _busy_s(k, hw) >= min_s}
+    infer = shapes([kernel_plan.prefill, *kernel_plan.decode.values()])
+    train = shapes([kernel_plan.train]) - infer
+    return sorted([(*s, True) for s in infer] + [(*s, False) for s in train])
 
 
 def _gmm_shapes(kernel_plan, hw, min_s: float = 2e-6) -> dict[tuple[int, ...], float]:
@@ -250,12 +256,11 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
                      gmm_shapes: dict | None = None, gemv_shapes=()) -> dict:
     """This device's ceilings into `path` (device 0): a bf16 n^3 matmul's FLOP/s, an HBM
     copy's bytes/s (read + write), the fixed cost of a kernel (`kernel_s`, `_kernel_cost`),
-    and with
-    `cfg` the flash attention kernel's forward and backward FLOP/s at its training shape
-    (the config's attention_impl), the grouped matmul's (forward + backward) at its
-    experts' shape, and the FLOP/s of each matmul shape of `shapes`, of each grouped
-    matmul shape of `gmm_shapes` ({(m, k, n, groups): the FLOPs the plan counts}) and of
-    each fused decode product's of `gemv_shapes`."""
+    and with `cfg` the flash attention kernel's forward and backward FLOP/s at its training
+    shape (the config's attention_impl), the grouped matmul's (forward + backward) at its
+    experts' shape, and the FLOP/s of each matmul of `shapes` ((m, k, n, out_major)), of
+    each grouped matmul shape of `gmm_shapes` ({(m, k, n, groups): the FLOPs the plan
+    counts}) and of each fused decode product's of `gemv_shapes`."""
     import jax
     import jax.numpy as jnp
 
@@ -274,7 +279,8 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
         if cfg.model.moe is not None:
             out["gmm_flops"] = _gmm_rate(cfg)
     fixed = out["kernel_s"]  # in each product's measured time, which the model adds apart
-    rates = {f"{m}x{k}x{nn}": _matmul_rate(m, k, nn, fixed_s=fixed) for m, k, nn in shapes}
+    rates = {f"{m}x{k}x{nn}": _matmul_rate(m, k, nn, fixed_s=fixed, out_major=major)
+             for m, k, nn, major in shapes}
     if rates:
         out["matmul_shapes"] = rates
     grouped = {"x".join(map(str, shape)): _gmm_shape_rate(*shape, flops, fixed_s=fixed)
@@ -426,19 +432,25 @@ def _extra_time(product, shapes, reps: tuple[int, int] = (2, 10)) -> float:
     return (long_ - short) / (reps[1] - reps[0])
 
 
-def _matmul_rate(m: int, k: int, n: int, fixed_s: float = 0.0) -> float:
-    """FLOP/s of a bf16 [m, k] x [k, n] matmul. Above 1 TFLOP a call timed alone; below,
-    its `_extra_time` less `fixed_s`, the fixed cost a kernel the model adds to it."""
+def _matmul_rate(m: int, k: int, n: int, fixed_s: float = 0.0, out_major: bool = False
+                 ) -> float:
+    """FLOP/s of a bf16 [m, k] x [k, n] matmul, the weights held [n, k] where `out_major`.
+    Above 1 TFLOP a call timed alone; below, its `_extra_time` less `fixed_s`, the fixed
+    cost a kernel the model adds to it."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.common import time_fn
 
     flops = 2 * m * k * n
+
+    def product(a, b):
+        return a @ b.T if out_major else a @ b
+    rhs = (n, k) if out_major else (k, n)
     if flops > 1e12:
-        lhs, rhs = jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16)
-        return flops / time_fn(jax.jit(jnp.matmul), lhs, rhs)
-    return flops / max(_extra_time(lambda a, b: a @ b, ((m, k), (k, n))) - fixed_s, 1e-9)
+        lhs, w = jnp.ones((m, k), jnp.bfloat16), jnp.ones(rhs, jnp.bfloat16)
+        return flops / time_fn(jax.jit(product), lhs, w)
+    return flops / max(_extra_time(product, ((m, k), rhs)) - fixed_s, 1e-9)
 
 
 def _gmm_shape_rate(m: int, k: int, n: int, groups: int, flops: float,
