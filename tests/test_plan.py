@@ -562,3 +562,21 @@ ENTRY %main (v: f32[8]) -> f32[8] {
 }
 """
     assert _kernels_of(loop) == 5  # 1 + the condition's 1 + the body's 3
+
+
+def test_measured_matmul_shapes_take_their_programs_layout():
+    """`plan_check` times the prefill's and decode steps' matmuls with the weights [n, k],
+    as the decode program holds them, and training's [k, n]; only products long enough to
+    read a measurement from are timed."""
+    from benchmarks.plan_check import _matmul_shapes
+
+    cfg = load_config("configs/deepseek_moe_1gpu.yaml", ["parallelism.dp=1"])
+    p = plan(cfg, "h100", 1, batches=[1, 64], prompt_len=1024, platform="gpu")
+    shapes = _matmul_shapes(p.kernels, p.hardware)
+    infer = {k.shape for kt in (p.kernels.prefill, *p.kernels.decode.values())
+             for k in kt.kernels if k.rate == "matmul"}
+    train = {k.shape for k in p.kernels.train.kernels if k.rate == "matmul"}
+    assert {s[:3] for s in shapes if s[3]} <= infer
+    assert {s[:3] for s in shapes if not s[3]} <= train - infer
+    assert (1, cfg.model.d_model, cfg.model.d_model, True) in shapes  # a decode row's o
+    assert any(not s[3] for s in shapes) and len({s[:3] for s in shapes}) == len(shapes)
