@@ -23,9 +23,9 @@ HBM copy, read + write bytes; the fixed cost of a kernel; the config's flash att
 forward and backward at its training shape; with MoE the grouped matmul at its experts'
 shape and, forward, at each of its prefill and decode shapes; every matmul shape of the
 per-kernel model taking at least 2 us at the peak or the HBM rate (the weights laid out as
-its program holds them) and every fused one-row
-decode product (`decode_gemv`), each rate its FLOPs over its time past the fixed cost, the
-operands read from HBM (`_extra_time`); once the model is built, the host's time for a
+its program holds them) and every fused one-row decode product (`decode_gemv`), each rate
+its FLOPs over its time past the fixed cost, the operands read from HBM (`_extra_time`);
+once the model is built, the host's time for a
 call over its decode parameters), then sets the planner's predictions under those
 ceilings, the roofline's and the per-kernel model's (`jaxllm/plan/kernel_time.py`),
 beside the measured figures for --config on one GPU: the train step's peak memory (its
@@ -361,11 +361,11 @@ def _kernel_cost(chain: tuple[int, int], repeats: int = 3) -> float:
 
 
 def _compiled_kernels(dparams, batch: int, prompt_len: int, new_tokens: int, chunk: int,
-                      hlo_dir: str | None = None) -> tuple[int, int]:
-    """Kernels of the compiled prefill of `batch` prompts of `prompt_len` tokens and of one
-    decode step (`decode_chunk` of one step, greedy) after it, as `generate_ids` runs them;
-    with `hlo_dir`, both compiled programs' text is written there (prefill_B.hlo,
-    decode_B.hlo) to take apart off the GPU."""
+                      hlo_dir: str | None = None) -> tuple[int | None, int]:
+    """Kernels of the compiled prefill of `batch` prompts of `prompt_len` tokens (batch 1
+    only, else None) and of one decode step (`decode_chunk` of one step, greedy) after it,
+    as `generate_ids` runs them; with `hlo_dir`, the compiled programs' text is written
+    there (prefill_1.hlo, decode_B.hlo) to take apart off the GPU."""
     import jax
     import jax.numpy as jnp
 
@@ -382,13 +382,16 @@ def _compiled_kernels(dparams, batch: int, prompt_len: int, new_tokens: int, chu
         lambda *a: prefill(*a, cache_len=cache_len, **opts), dparams, tokens, lengths, key)
     step = decode_chunk.lower(dparams, cache, token, lengths, jax.ShapeDtypeStruct(
         (batch,), jnp.bool_), key, steps=1, eos_id=None, **opts)
-    texts = {"prefill": lowered.compile().as_text(), "decode": step.compile().as_text()}
+    texts = {"decode": step.compile().as_text()}
+    if batch == 1:
+        texts["prefill"] = lowered.compile().as_text()
     if hlo_dir:
         os.makedirs(hlo_dir, exist_ok=True)
         for name, text in texts.items():
             with open(os.path.join(hlo_dir, f"{name}_{batch}.hlo"), "w") as f:
                 f.write(text)
-    return _kernels_of(texts["prefill"]), _kernels_of(texts["decode"])
+    return (_kernels_of(texts["prefill"]) if "prefill" in texts else None,
+            _kernels_of(texts["decode"]))
 
 
 def _call_cost(params, tokens, calls: int = 50) -> float:
