@@ -170,7 +170,8 @@ class PageAllocator:
             i = int(need.argmax())
             self._check_fits(int(seqs[i]), int(length[i] + counts[i]))
         last = self._tables[seqs, np.maximum(have - 1, 0)]
-        shared = (length % self.page_size != 0) & (self._refs[np.minimum(last, self.num_pages - 1)] > 1)
+        refs = self._refs[np.minimum(last, self.num_pages - 1)]
+        shared = (length % self.page_size != 0) & (refs > 1)
         if shared.any():
             raise ValueError(f"sequence {int(seqs[shared.argmax()])} shares its partly filled "
                              f"last page; append copies it before writing")

@@ -6,8 +6,9 @@ kv_b split into the key part W_uk the queries are absorbed through and the value
 W_uv), every weight stored out-major ([*out, in]: each
 output's weights contiguous, the layout of the fused decode matmuls), all cast to the
 compute dtype. An MoE layer's routed experts stay stacked [E, ...] for the grouped matmuls
-(`MoEParams`), its shared experts take the dense MLP's place. The model's config and the row limit of the fused kernels ride along as
-static fields, so a jitted step needs nothing else.
+(`MoEParams`), its shared experts take the dense MLP's place. The model's config and the
+row limit of the fused kernels ride along as static fields, so a jitted step needs nothing
+else.
 """
 from __future__ import annotations
 

@@ -119,7 +119,8 @@ def train_collectives(cfg: Config, sizes: dict[str, int], hw: Hardware,
     hkv = m.n_kv_heads / sizes["tp"] if m.n_kv_heads % sizes["tp"] == 0 else m.n_heads / sizes["tp"]
     kv = rows * seq * 2 * hkv * m.resolved_head_dim * c  # this device's K and V block
     if p.cp_impl == "allgather":
-        add(("cp",), "all-gather", kv * sizes["cp"], (forwards + 1) * layers * micro, "keys, values")
+        add(("cp",), "all-gather", kv * sizes["cp"], (forwards + 1) * layers * micro,
+            "keys, values")
         add(("cp",), "reduce-scatter", kv * sizes["cp"], layers * micro, "key/value gradients")
     else:
         ring = (sizes["cp"] - 1) * layers * micro

@@ -357,9 +357,10 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
     n_params = cfg.model.num_params()
     active = cfg.model.num_params(active=True)
     logger.print(f"model: {n_params / 1e6:.2f}M parameters"
-                 + (f" ({active / 1e6:.2f}M active)" if active != n_params else "") + f"; data: {len(data.train):,} train / "
-                 f"{len(data.val):,} val tokens; devices: {jax.device_count()} x "
-                 f"{jax.devices()[0].device_kind}" + (f"; resumed at step {start}" if start else ""))
+                 + (f" ({active / 1e6:.2f}M active)" if active != n_params else "")
+                 + f"; data: {len(data.train):,} train / {len(data.val):,} val tokens; "
+                 f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}"
+                 + (f"; resumed at step {start}" if start else ""))
     logger.print(fns.plan.describe().splitlines()[0] + "\n"
                  + describe_memory(step_memory(fns.step, fns.plan, fns.tx), t.zero_stage))
 
@@ -412,7 +413,8 @@ def train(cfg: Config, *, resume: bool = True, place_batch: Callable | None = No
                            "tokens_per_s": tps,
                            "mfu": tps * flops_per_token / peak if peak else None}
                     rec.update({k: float(v) for k, v in jax.device_get(metrics).items()
-                                if k.startswith(("mtp", "distill", "moe"))})  # MTP, distillation, MoE
+                                # MTP, distillation, MoE
+                                if k.startswith(("mtp", "distill", "moe"))})
                     if is_eval:
                         rec.update(evaluate(fns, params, cfg, data.val, place))
                         eval_loss = rec["eval_loss"]
