@@ -34,11 +34,13 @@ beside the measured figures for --config on one GPU: the train step's peak memor
 (`jaxllm.inference.generate.generate_ids`, greedy, --new-tokens tokens, decode chunks of
 32; the median of TIMED_RUNS generations after a warm one), with the ratios measured /
 kernel model and measured / roofline, and the kernels the model counts beside those of
-the compiled prefill and decode step (their text into --hlo-dir, if given).
+the compiled prefill and decode step (printed by kind; their text into --hlo-dir, if
+given).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import statistics
@@ -310,14 +312,21 @@ def _kernels_of(compiled_text: str) -> int:
     computation that are not parameters, constants, tuples or bitcasts (fusions, library
     calls, copies, ...); a while loop counts its condition's and body's kernels once (one
     iteration's), a call or conditional those of the computations it calls."""
+    return sum(_kernel_kinds(compiled_text).values())
+
+
+def _kernel_kinds(compiled_text: str) -> collections.Counter:
+    """The kernels `_kernels_of` counts, by kind: a fusion's kind (loop, input: a
+    reduction, output, or a custom fusion's own kind, e.g. a library matmul), a custom
+    call's target, else the instruction's name (copy, dynamic-update-slice, ...)."""
     comps = {}  # computation name -> its text
     for block in re.split(r"\n(?=\S)", compiled_text):
         head = re.match(r"(ENTRY )?%?([\w.-]+)", block)
         if head and "{" in block:
             comps["ENTRY" if head.group(1) else head.group(2)] = block
 
-    def count(name: str) -> int:
-        n = 0
+    def kinds(name: str) -> collections.Counter:
+        out = collections.Counter()
         for line in comps.get(name, "").splitlines():
             # the first "name(" after "= ": a tuple shape's parentheses follow no name
             op = re.search(r"= .*? ([a-z][\w-]*)\(", line)
@@ -327,11 +336,22 @@ def _kernels_of(compiled_text: str) -> int:
                 called = re.findall(r"(?:condition|body|to_apply|branch_computations|"
                                     r"true_computation|false_computation)=\{?%?([\w.-]+)"
                                     r"(?:, %([\w.-]+))*", line)
-                n += sum(count(c) for group in called for c in group if c)
-            else:
-                n += 1
-        return n
-    return count("ENTRY")
+                for group in called:
+                    for c in group:
+                        out += kinds(c) if c else collections.Counter()
+                continue
+            kind = op.group(1)
+            if kind == "fusion":
+                fusion = re.search(r"kind=k(\w+)", line)
+                custom = re.search(r'"kind":"([^"]+)"', line)
+                kind = (custom.group(1) if custom and fusion and fusion.group(1) == "Custom"
+                        else f"{fusion.group(1).lower()} fusion" if fusion else kind)
+            elif kind == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', line)
+                kind = target.group(1) if target else kind
+            out[kind] += 1
+        return out
+    return kinds("ENTRY")
 
 
 def _kernel_cost(chain: tuple[int, int], repeats: int = 3) -> float:
@@ -364,8 +384,9 @@ def _compiled_kernels(dparams, batch: int, prompt_len: int, new_tokens: int, chu
                       hlo_dir: str | None = None) -> tuple[int | None, int]:
     """Kernels of the compiled prefill of `batch` prompts of `prompt_len` tokens (batch 1
     only, else None) and of one decode step (`decode_chunk` of one step, greedy) after it,
-    as `generate_ids` runs them; with `hlo_dir`, the compiled programs' text is written
-    there (prefill_1.hlo, decode_B.hlo) to take apart off the GPU."""
+    as `generate_ids` runs them, each printed by kind; with `hlo_dir`, the compiled
+    programs' text is written there (prefill_1.hlo, decode_B.hlo) to take apart off the
+    GPU."""
     import jax
     import jax.numpy as jnp
 
@@ -390,8 +411,13 @@ def _compiled_kernels(dparams, batch: int, prompt_len: int, new_tokens: int, chu
         for name, text in texts.items():
             with open(os.path.join(hlo_dir, f"{name}_{batch}.hlo"), "w") as f:
                 f.write(text)
-    return (_kernels_of(texts["prefill"]) if "prefill" in texts else None,
-            _kernels_of(texts["decode"]))
+    counts = {}
+    for name, text in texts.items():
+        kinds = _kernel_kinds(text)
+        counts[name] = sum(kinds.values())
+        print(f"compiled {name}, batch {batch}: {counts[name]} kernels: "
+              + ", ".join(f"{k} {n}" for k, n in kinds.most_common()), flush=True)
+    return counts.get("prefill"), counts["decode"]
 
 
 def _call_cost(params, tokens, calls: int = 50) -> float:

@@ -519,8 +519,9 @@ def test_kernel_count_of_a_compiled_program():
     """`plan_check`'s kernel count (the fixed cost per kernel divides by it) takes every
     launching instruction of the entry computation, multi-output fusions (tuple shapes)
     included, and leaves out parameters, constants, tuples and bitcasts; a while loop
-    counts one iteration's kernels (its condition's and body's)."""
-    from benchmarks.plan_check import _kernels_of
+    counts one iteration's kernels (its condition's and body's); each kernel has a kind (a
+    fusion's, a custom fusion's backend kind, a custom call's target)."""
+    from benchmarks.plan_check import _kernel_kinds, _kernels_of
 
     hlo = """HloModule m
 
@@ -539,6 +540,12 @@ ENTRY %main (v: f32[8]) -> (f32[], f32[8]) {
 }
 """
     assert _kernels_of(hlo) == 3
+    assert _kernel_kinds(hlo) == {"loop fusion": 1, "input fusion": 1, "x": 1}
+    gemm = ('  %m = f32[8]{0} fusion(%a), kind=kCustom, calls=%fused, '
+            'backend_config={"fusion_backend_config":{"kind":"__cublas$gemm"}}\n')
+    with_gemm = hlo.replace("  %d = ", gemm + "  %d = ")
+    assert _kernel_kinds(with_gemm) == {"loop fusion": 1, "input fusion": 1, "x": 1,
+                                        "__cublas$gemm": 1}
     loop = """HloModule l
 
 %body (c: (s32[], (f32[8], f32[8]))) -> (s32[], (f32[8], f32[8])) {
