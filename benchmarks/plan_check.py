@@ -336,9 +336,8 @@ def _kernel_kinds(compiled_text: str) -> collections.Counter:
                 called = re.findall(r"(?:condition|body|to_apply|branch_computations|"
                                     r"true_computation|false_computation)=\{?%?([\w.-]+)"
                                     r"(?:, %([\w.-]+))*", line)
-                for group in called:
-                    for c in group:
-                        out += kinds(c) if c else collections.Counter()
+                for c in (c for group in called for c in group if c):
+                    out.update(kinds(c))
                 continue
             kind = op.group(1)
             if kind == "fusion":
@@ -399,8 +398,7 @@ def _compiled_kernels(dparams, batch: int, prompt_len: int, new_tokens: int, chu
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
     lowered = prefill.lower(dparams, tokens, lengths, key, cache_len=cache_len, **opts)
-    cache, token = jax.eval_shape(
-        lambda *a: prefill(*a, cache_len=cache_len, **opts), dparams, tokens, lengths, key)
+    cache, token = lowered.out_info  # the decode step's inputs, as shapes
     step = decode_chunk.lower(dparams, cache, token, lengths, jax.ShapeDtypeStruct(
         (batch,), jnp.bool_), key, steps=1, eos_id=None, **opts)
     texts = {"decode": step.compile().as_text()}

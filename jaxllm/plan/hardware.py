@@ -21,7 +21,8 @@ and what the per-kernel time model (`kernel_time.py`) adds, each optional:
     gmm_flops      the grouped (MoE experts) matmul kernel's FLOP/s (forward + backward
                    at the training shape)
     matmul_shapes  FLOP/s of bf16 matmuls of given shapes, {"MxKxN": FLOP/s} (the FLOPs
-                   over the time past `kernel_s`), used for matmuls of exactly that shape
+                   over the time past `kernel_s`, the weights laid out as the program
+                   using that shape holds them), used for matmuls of exactly that shape
                    in place of `flops`
     gmm_shapes     FLOP/s of the grouped matmul's forward at given shapes, {"MxKxNxG":
                    FLOP/s} (lhs [M, K] x rhs [G, K, N], the planned FLOPs of its row

@@ -44,12 +44,9 @@ class Kernel:
     shape: tuple[int, ...] | None = None
 
     def flop_rate(self, hw: Hardware) -> float:
-        if self.rate == "matmul" and self.shape is not None:
-            return hw.matmul_rate(*self.shape)
-        if self.rate == "gmm" and self.shape is not None:
-            return hw.gmm_rate(*self.shape)
-        if self.rate == "gemv" and self.shape is not None:
-            return hw.gemv_rate(*self.shape)
+        by_shape = {"matmul": hw.matmul_rate, "gmm": hw.gmm_rate, "gemv": hw.gemv_rate}
+        if self.shape is not None and self.rate in by_shape:
+            return by_shape[self.rate](*self.shape)
         return {"attn_fwd": hw.attn_fwd, "attn_bwd": hw.attn_bwd,
                 "gmm": hw.gmm_flops}.get(self.rate) or hw.flops
 
