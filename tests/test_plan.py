@@ -573,8 +573,7 @@ ENTRY %main (v: f32[8]) -> f32[8] {
 
 def test_measured_matmul_shapes_take_their_programs_layout():
     """`plan_check` times the prefill's and decode steps' matmuls with the weights [n, k],
-    as the decode program holds them, and training's [k, n]; only products long enough to
-    read a measurement from are timed."""
+    as the decode program holds them, and training's [k, n]; a shape is timed once."""
     from benchmarks.plan_check import _matmul_shapes
 
     cfg = load_config("configs/deepseek_moe_1gpu.yaml", ["parallelism.dp=1"])
