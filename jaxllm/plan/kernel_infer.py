@@ -4,8 +4,9 @@ Prefill and decode (`inference/step.py`: a Python loop over per-layer weights, a
 the compute dtype, so no casts and no stacking): per dense layer the norm, one q/k/v
 matmul, RoPE of q and k, the cache writes of k and v, attention (prefill: the flash kernel
 over the prompt, after the v slice is made contiguous; decode: the decode kernel reading
-the live K/V), o, the residual, the norm, gate/up, SwiGLU, down, the residual; prefill's
-head runs over every prompt position (f32 logits). A step of one row over a contiguous
+the live K/V), o, the residual with the norm (one kernel: XLA fuses an RMSNorm, and the
+add before it, into one Triton kernel on a GPU), gate/up, SwiGLU, down, the residual;
+prefill's head runs over every prompt position (f32 logits). A step of one row over a contiguous
 cache (`params.fused_rows`) runs each layer in five fused kernels (q/k/v with norm, RoPE
 and cache write; attention; o with the residual; norm with gate/up and SwiGLU; down with
 the residual), each reading its weights. MLA decoding runs the absorbed form: the key
@@ -29,9 +30,9 @@ from jaxllm.plan.kernel_time import (ROUTING_KERNELS, SORT_KERNELS, Kernel, Kern
                                      split)
 
 # Kernels a decode step launches outside the layers: the token's embedding gather, the
-# final norm (2), the head, the sample (an argmax or the sampler), the emitted / done /
+# final norm, the head, the sample (an argmax or the sampler), the emitted / done /
 # position updates and the loop's counter and condition.
-DECODE_STEP_KERNELS = 8
+DECODE_STEP_KERNELS = 7
 # The grouped-matmul kernel's work items (the groups' row bounds, each item's group and row
 # tile: a few small loop-free kernels over [items, experts]), one set a layer: its three
 # grouped matmuls share the rows and tiles, so XLA computes them once.
@@ -52,9 +53,12 @@ def _ew(what: str, nbytes: float, launches: int = 1) -> Kernel:
     return Kernel(what, launches, bytes=nbytes / launches)
 
 
-def _norm(rows: int, dim: int, c: float) -> list[Kernel]:
+def _norm(rows: int, dim: int, c: float, residual: bool = False) -> list[Kernel]:
+    """An RMSNorm: one kernel on a GPU (XLA fuses the row reduction and the scaling into
+    one Triton kernel); with `residual`, the residual add before it too (reading both
+    streams, writing the sum and the normalised rows)."""
     x = rows * dim * c
-    return [Kernel("norm", 1, bytes=x), Kernel("norm", 1, bytes=2 * x)]
+    return [Kernel("norm", 1, bytes=(4 if residual else 2) * x)]
 
 
 def touched_experts(m: ModelConfig, tokens: int) -> float:
@@ -80,7 +84,7 @@ def _ffn_kernels(m: ModelConfig, T: int, c: float, tp: int, moe: bool) -> list[K
     d = m.d_model
     X = T * d * c
     hq, hkv, f = heads(m, tp)
-    ks = _norm(T, d, c)
+    ks = _norm(T, d, c, residual=True)  # the attention's residual and the second norm
     if moe:
         e = m.moe
         fe, R = e.expert_mlp_dim, T * e.top_k
@@ -133,7 +137,7 @@ def _gqa_layer(m: ModelConfig, B: int, S: int, ctx: int, c: float, tp: int, pref
                       "attn_fwd")]
     else:
         ks.append(Kernel("attention", 1, 4 * B * hq * S * ctx * hd, kv_read + 2 * Q))
-    ks += [_gemm(T, hq * hd, d, c), _ew("elementwise", 3 * X)]
+    ks.append(_gemm(T, hq * hd, d, c))
     return ks + _ffn_kernels(m, T, c, tp, moe)
 
 
@@ -209,7 +213,7 @@ def _mla_layer(m: ModelConfig, B: int, S: int, ctx: int, cache_len: int, c: floa
                _ew("copy", 2 * B * cache_len * r * c),  # the latent's value part
                Kernel("attention", 1, 2 * T * H * cache_len * r, B * cache_len * r * c + sc / 2),
                Kernel("matmul", 1, 2 * T * H * r * dv, c * (T * H * r + H * r * dv + T * H * dv))]
-    ks += [_gemm(T, H * dv, d, c), _ew("elementwise", 3 * X)]
+    ks.append(_gemm(T, H * dv, d, c))
     return ks + _ffn_kernels(m, T, c, 1, moe)
 
 
@@ -244,8 +248,8 @@ def inference_kernels(cfg: Config, batch: int, new: int, ctx: int, *, prefill: b
                       bytes=batch * per_layer / (1 if m.mla is not None else 2)),
                _ew("sampling", batch * V * 4, 2)]
     else:
-        ks.append(Kernel("sampling", DECODE_STEP_KERNELS - 4, bytes=batch * V * 4
-                         / (DECODE_STEP_KERNELS - 4)))
+        ks.append(Kernel("sampling", DECODE_STEP_KERNELS - 3, bytes=batch * V * 4
+                         / (DECODE_STEP_KERNELS - 3)))
     return KernelTime("prefill" if prefill else f"decode B={batch}", tuple(ks))
 
 
