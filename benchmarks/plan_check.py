@@ -53,6 +53,9 @@ BASE = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=16"]
 MOE, MLA = "configs/tiny_moe.yaml", "configs/tiny_mla.yaml"
 MOE3 = "model.n_layers=3"  # 1 dense + 2 MoE layers (a scanned stack, as a real model's)
 FLUSH_BYTES = 256 << 20  # more than any GPU's L2 cache (50 MiB on an H100)
+# two fused one-row products (`decode_gemv`, (m, k, n)) whose time past their bytes at the
+# HBM rate is the fixed cost of a kernel (`_kernel_cost`)
+KERNEL_COST_SHAPES = ((1, 2048, 2048), (1, 2048, 4096))
 TIMED_RUNS = 5  # generations timed per batch on the GPU (--gpu); their median is reported
 PP = ["parallelism.pp=2", "train.microbatches=4"]  # 2 stages of one layer, 4 microbatches
 CONFIGS = {
@@ -254,7 +257,7 @@ def _gemv_shapes(kernel_plan) -> list[tuple[int, int, int]]:
 
 
 def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
-                     copy_bytes: int = 4 << 30, chain: tuple[int, int] = (64, 320),
+                     copy_bytes: int = 4 << 30, cost_shapes=KERNEL_COST_SHAPES,
                      gmm_shapes: dict | None = None, gemv_shapes=()) -> dict:
     """This device's ceilings into `path` (device 0): a bf16 n^3 matmul's FLOP/s, an HBM
     copy's bytes/s (read + write), the fixed cost of a kernel (`kernel_s`, `_kernel_cost`),
@@ -275,7 +278,7 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
     cp = time_fn(jax.jit(lambda v: v + 1), x)
     out = {"flops": 2 * n**3 / mm, "hbm_bw": 2 * x.nbytes / cp}
     del a, x
-    out["kernel_s"] = _kernel_cost(chain)
+    out["kernel_s"] = _kernel_cost(out["hbm_bw"], cost_shapes)
     if cfg is not None:
         out.update(_attention_rates(cfg))
         if cfg.model.moe is not None:
@@ -353,29 +356,20 @@ def _kernel_kinds(compiled_text: str) -> collections.Counter:
     return kinds("ENTRY")
 
 
-def _kernel_cost(chain: tuple[int, int], repeats: int = 3) -> float:
-    """The fixed cost of a kernel: two chains of tiny dependent steps (a sum, then a
-    scale by it: reductions and elementwise kernels of 4 KiB), the longer one's extra
-    time over its extra kernels, counted in the compiled programs (XLA fuses as it will);
-    the median of `repeats` such pairs."""
-    import jax
-    import jax.numpy as jnp
+def _kernel_cost(hbm_bw: float, shapes=KERNEL_COST_SHAPES) -> float:
+    """The fixed cost of a kernel in a stream of memory-bound kernels, the part of a
+    kernel's time the model adds to its bytes at the HBM rate: for each (m, k, n) of
+    `shapes`, the `_extra_time` of one more fused one-row product (`decode_gemv`, weights
+    [n, k]) past its bytes at `hbm_bw`; the median. The products run behind the flush, so
+    the host is ahead of the device as in a model's step. A chain of tiny dependent kernels
+    (the way this was measured before) runs at the host's launch rate instead: it read
+    1.6-1.8 us on one H100 and 2.6-3.2 us on another whose decode steps ran as fast."""
+    from jaxllm.kernels.pallas.gemv_triton import decode_gemv
 
-    from benchmarks.common import time_fn
-
-    def program(steps):
-        def f(v):
-            for _ in range(steps):
-                v = v * (1.0 + 1e-9 * jnp.sum(v))
-            return v
-        return jax.jit(f)
-    v = jnp.ones((1024,), jnp.float32)
-    fns = [program(steps) for steps in chain]
-    kernels = [_kernels_of(fn.lower(v).compile().as_text()) for fn in fns]
     costs = []
-    for _ in range(repeats):  # one pair of timings moved it by a third between runs
-        times = [time_fn(fn, v, target_s=0.2) for fn in fns]
-        costs.append((times[1] - times[0]) / max(kernels[1] - kernels[0], 1))
+    for m, k, n in shapes:
+        t = _extra_time(decode_gemv, ((m, k), (n, k)))
+        costs.append(t - 2 * (m * k + n * k + m * n) / hbm_bw)
     return max(statistics.median(costs), 1e-8)
 
 
@@ -603,7 +597,8 @@ def gpu_check(args) -> list[dict]:
     plan_args = dict(batches=args.batches, prompt_len=args.prompt_len, platform=platform)
     kernels, hw = plan(cfg, args.hardware, 1, **plan_args).kernels, get_hardware(args.hardware)
     ceilings = measure_ceilings(args.measured, args.hardware, cfg, _matmul_shapes(kernels, hw),
-                                *((512, 1 << 24) if args.quick else ()),
+                                *((512, 1 << 24, ((1, 128, 128), (1, 128, 256)))
+                                  if args.quick else ()),
                                 gmm_shapes=_gmm_shapes(kernels, hw),
                                 gemv_shapes=_gemv_shapes(kernels))
     p = plan(cfg, args.hardware, 1, measured=args.measured, **plan_args)

@@ -516,7 +516,7 @@ def test_mtp_modules_add_their_training_flops():
 
 
 def test_kernel_count_of_a_compiled_program():
-    """`plan_check`'s kernel count (the fixed cost per kernel divides by it) takes every
+    """`plan_check`'s kernel count (set beside the model's for each step) takes every
     launching instruction of the entry computation, multi-output fusions (tuple shapes)
     included, and leaves out parameters, constants, tuples and bitcasts; a while loop
     counts one iteration's kernels (its condition's and body's); each kernel has a kind (a
@@ -586,3 +586,22 @@ def test_measured_matmul_shapes_take_their_programs_layout():
     assert {s[:3] for s in shapes if not s[3]} <= train - infer
     assert (1, cfg.model.d_model, cfg.model.d_model, True) in shapes  # a decode row's o
     assert any(not s[3] for s in shapes) and len({s[:3] for s in shapes}) == len(shapes)
+
+
+def test_kernel_cost_is_the_products_time_past_their_bytes(monkeypatch):
+    """`plan_check`'s fixed cost a kernel: one more fused one-row product takes its bytes
+    (x, the weights [n, k], the output; bf16) at the HBM rate plus the fixed cost, so a
+    device timed so gives that cost back, whatever the shapes; the median of several."""
+    import benchmarks.plan_check as pc
+
+    bw, rng = 3e12, np.random.default_rng(0)
+    fixed = {}
+
+    def extra_time(product, shapes):
+        (m, k), (n, k2) = shapes
+        assert k == k2
+        fixed[(m, k, n)] = float(rng.uniform(1e-6, 3e-6))
+        return fixed[(m, k, n)] + 2 * (m * k + n * k + m * n) / bw
+    monkeypatch.setattr(pc, "_extra_time", extra_time)
+    shapes = [(1, int(k), int(n)) for k, n in rng.integers(64, 8192, (3, 2))]
+    assert pc._kernel_cost(bw, shapes) == pytest.approx(sorted(fixed.values())[1], rel=1e-9)
