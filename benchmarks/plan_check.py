@@ -258,10 +258,11 @@ def _gemv_shapes(kernel_plan) -> list[tuple[int, int, int]]:
 
 def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
                      copy_bytes: int = 4 << 30, cost_shapes=KERNEL_COST_SHAPES,
-                     gmm_shapes: dict | None = None, gemv_shapes=()) -> dict:
+                     chain: tuple[int, int] = (64, 320), gmm_shapes: dict | None = None,
+                     gemv_shapes=()) -> dict:
     """This device's ceilings into `path` (device 0): a bf16 n^3 matmul's FLOP/s, an HBM
     copy's bytes/s (read + write), the fixed cost of a kernel (`kernel_s`, `_kernel_cost`),
-    and with `cfg` the flash attention kernel's forward and backward FLOP/s at its training
+    the host's time to launch one (`launch_s`, `_launch_cost` over `chain`), and with `cfg` the flash attention kernel's forward and backward FLOP/s at its training
     shape (the config's attention_impl), the grouped matmul's (forward + backward) at its
     experts' shape, and the FLOP/s of each matmul of `shapes` ((m, k, n, out_major)), of
     each grouped matmul shape of `gmm_shapes` ({(m, k, n, groups): the FLOPs the plan
@@ -279,6 +280,7 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
     out = {"flops": 2 * n**3 / mm, "hbm_bw": 2 * x.nbytes / cp}
     del a, x
     out["kernel_s"] = _kernel_cost(out["hbm_bw"], cost_shapes)
+    out["launch_s"] = _launch_cost(chain)
     if cfg is not None:
         out.update(_attention_rates(cfg))
         if cfg.model.moe is not None:
@@ -297,7 +299,8 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
         out["gemv_shapes"] = fused
     save_measured(path, base, **out)
     print(f"measured ceilings -> {path}: {out['flops'] / 1e12:.0f} TFLOP/s, "
-          f"{out['hbm_bw'] / 1e12:.2f} TB/s, {out['kernel_s'] * 1e6:.2f} us a kernel"
+          f"{out['hbm_bw'] / 1e12:.2f} TB/s, {out['kernel_s'] * 1e6:.2f} us a kernel, "
+          f"{out['launch_s'] * 1e6:.2f} us a launch"
           + "".join(f", {k} {out[k] / 1e12:.0f} TFLOP/s"
                     for k in ("attn_fwd", "attn_bwd", "gmm_flops") if k in out)
           + (f"; {len(rates)} matmul shapes, {min(rates.values()) / 1e12:.0f}-"
@@ -370,6 +373,34 @@ def _kernel_cost(hbm_bw: float, shapes=KERNEL_COST_SHAPES) -> float:
     for m, k, n in shapes:
         t = _extra_time(decode_gemv, ((m, k), (n, k)))
         costs.append(t - 2 * (m * k + n * k + m * n) / hbm_bw)
+    return max(statistics.median(costs), 1e-8)
+
+
+def _launch_cost(chain: tuple[int, int], repeats: int = 3) -> float:
+    """The host's time to launch a kernel: two chains of tiny dependent steps (a sum, then
+    a scale by it, on 4 KiB), called back to back, the longer one's extra time over its
+    extra kernels (counted in the compiled programs); the median of `repeats` pairs. The
+    device runs such a step in about 1 us, so the calls go at the host's pace where its
+    launches take longer (it read 1.6-1.8 us a kernel on one H100 host, 2.6-3.2 on
+    another)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import time_fn
+
+    def program(steps):
+        def f(v):
+            for _ in range(steps):
+                v = v * (1.0 + 1e-9 * jnp.sum(v))
+            return v
+        return jax.jit(f)
+    v = jnp.ones((1024,), jnp.float32)
+    fns = [program(steps) for steps in chain]
+    kernels = [_kernels_of(fn.lower(v).compile().as_text()) for fn in fns]
+    costs = []
+    for _ in range(repeats):
+        times = [time_fn(fn, v, target_s=0.2) for fn in fns]
+        costs.append((times[1] - times[0]) / max(kernels[1] - kernels[0], 1))
     return max(statistics.median(costs), 1e-8)
 
 
@@ -597,8 +628,9 @@ def gpu_check(args) -> list[dict]:
     plan_args = dict(batches=args.batches, prompt_len=args.prompt_len, platform=platform)
     kernels, hw = plan(cfg, args.hardware, 1, **plan_args).kernels, get_hardware(args.hardware)
     ceilings = measure_ceilings(args.measured, args.hardware, cfg, _matmul_shapes(kernels, hw),
-                                *((512, 1 << 24, ((1, 128, 128), (1, 128, 256)))
-                                  if args.quick else ()),
+                                **(dict(n=512, copy_bytes=1 << 24, chain=(4, 8),
+                                        cost_shapes=((1, 128, 128), (1, 128, 256)))
+                                   if args.quick else {}),
                                 gmm_shapes=_gmm_shapes(kernels, hw),
                                 gemv_shapes=_gemv_shapes(kernels))
     p = plan(cfg, args.hardware, 1, measured=args.measured, **plan_args)

@@ -350,18 +350,21 @@ def test_mla_decode_step_reads_the_live_latents_once():
 
 def test_measured_kernel_ceilings(tmp_path):
     """A measured file's matmul shapes, attention rates and fixed costs reach the kernels
-    (a call's host time once in TTFT, not in the decode steps)."""
+    (a call's host time, and a launch's for each prefill kernel, in TTFT, not in the
+    decode steps)."""
     cfg = load_config("configs/llama_1b.yaml", ["parallelism.dp=1"])
     p0 = plan(cfg, "h200", 1, batches=[1])
     shape = next(k.shape for k in p0.kernels.train.kernels if k.shape and k.flops > 1e12)
     path = tmp_path / "measured.yaml"
     save_measured(path, "h200", flops=8e14, hbm_bw=4e12, kernel_s=5e-6, attn_fwd=5e14,
-                  attn_bwd=4e14, call_s=7e-4, matmul_shapes={"x".join(map(str, shape)): 4e14})
+                  attn_bwd=4e14, call_s=7e-4, launch_s=3e-6,
+                  matmul_shapes={"x".join(map(str, shape)): 4e14})
     hw = get_hardware("h200", path)
-    assert hw.kernel_s == 5e-6 and hw.matmul_rate(*shape) == 4e14
+    assert hw.kernel_s == 5e-6 and hw.launch_s == 3e-6 and hw.matmul_rate(*shape) == 4e14
     assert hw.matmul_rate(1, 2, 3) == 8e14
     p = plan(cfg, "h200", 1, measured=str(path), batches=[1])
-    assert p.kernel_ttft_s == pytest.approx(p.kernels.prefill.seconds(hw) + 7e-4)
+    assert p.kernel_ttft_s == pytest.approx(p.kernels.prefill.seconds(hw) + 7e-4
+                                            + 3e-6 * p.kernels.prefill.launches)
     assert p.kernel_tpot_s[1] == pytest.approx(p.kernels.decode[1].seconds(hw))
     slow = dataclasses.replace(hw, matmul_shapes=())
     assert p.kernels.train.seconds(hw) > p.kernels.train.seconds(slow)  # that shape at 4e14

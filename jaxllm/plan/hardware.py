@@ -16,6 +16,9 @@ and what the per-kernel time model (`kernel_time.py`) adds, each optional:
     call_s         the host's time to run one compiled call that takes the model's decode
                    parameters and read its first result back (dispatch, launch, transfer):
                    TTFT's per-kernel model adds it once
+    launch_s       the host's time to launch one kernel of a call: TTFT's per-kernel model
+                   adds it for each of the prefill's kernels (a call from an idle device
+                   does its host work before the device's, not beside it)
     attn_fwd       the flash attention kernel's forward FLOP/s (causal FLOPs, as counted)
     attn_bwd       its backward FLOP/s (2.5x the forward's FLOPs in the backward's time)
     gmm_flops      the grouped (MoE experts) matmul kernel's FLOP/s (forward + backward
@@ -41,11 +44,12 @@ replaces some of them with what a bf16 matmul and an HBM copy reach on the machi
     hbm_bw: 3.31e12
     kernel_s: 3.0e-6
     call_s: 3.0e-4
+    launch_s: 2.0e-6
     attn_fwd: 5.6e14
     matmul_shapes: {32768x2048x2048: 7.2e14}
 
-Without them a kernel's FLOPs run at `flops`, the fixed cost is `KERNEL_S` and a call's
-host time `CALL_S`.
+Without them a kernel's FLOPs run at `flops`, the fixed cost is `KERNEL_S`, a call's
+host time `CALL_S` and a launch's `LAUNCH_S`.
 """
 from __future__ import annotations
 
@@ -67,6 +71,10 @@ KERNEL_S = 3e-6
 # measures it as `call_s`: 0.25 ms for the 1B config's 99 arrays, 0.45 ms for the MLA
 # config's 243 on an H100 host; it grows with the arrays and with a slower host).
 CALL_S = 3e-4
+# The host's time to launch one kernel of a call, when no measurement gives it
+# (`plan_check.py --gpu` measures it as `launch_s`: 1.6-1.8 us on one H100 host, 2.6-3.2
+# on another).
+LAUNCH_S = 2e-6
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,7 @@ class Hardware:
     measured: bool = False  # ceilings from a measurement, not the datasheet
     kernel_s: float = KERNEL_S
     call_s: float = CALL_S
+    launch_s: float = LAUNCH_S
     attn_fwd: float | None = None
     attn_bwd: float | None = None
     gmm_flops: float | None = None
@@ -120,7 +129,8 @@ HARDWARE: dict[str, Hardware] = {
     "b200": Hardware("B200", 2250e12, 8.0e12, 180 * GB, 900 * GB, 50 * GB),
 }
 _FIELDS = ("flops", "hbm_bw", "hbm", "nvlink_bw", "ib_bw", "per_host", "kernel_s", "call_s",
-           "attn_fwd", "attn_bwd", "gmm_flops", "matmul_shapes", "gmm_shapes", "gemv_shapes")
+           "launch_s", "attn_fwd", "attn_bwd", "gmm_flops", "matmul_shapes", "gmm_shapes",
+           "gemv_shapes")
 _SHAPE_KEYS = {"matmul_shapes": (r"\d+x\d+x\d+", "MxKxN"),
                "gmm_shapes": (r"\d+x\d+x\d+x\d+", "MxKxNxG"),
                "gemv_shapes": (r"\d+x\d+x\d+", "MxKxN")}

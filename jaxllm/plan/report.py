@@ -110,8 +110,10 @@ class Plan:
 
     @property
     def kernel_ttft_s(self) -> float:
-        """The prefill's kernels and the host's time for its call (`Hardware.call_s`)."""
-        return self.kernels.prefill.seconds(self.hardware) + self.hardware.call_s
+        """The prefill's kernels and the host's time for its call: `Hardware.call_s`
+        and `launch_s` for each kernel (from an idle device, before the device's time)."""
+        hw, prefill = self.hardware, self.kernels.prefill
+        return prefill.seconds(hw) + hw.call_s + prefill.launches * hw.launch_s
 
     @property
     def kernel_tpot_s(self) -> dict[int, float]:
