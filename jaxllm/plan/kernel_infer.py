@@ -176,7 +176,7 @@ def _mla_layer(m: ModelConfig, B: int, S: int, ctx: int, cache_len: int, c: floa
     a, d, H = m.mla, m.d_model, m.n_heads
     nope, rope, dv, r = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
     T = B * S
-    X, Q = T * d * c, T * H * a.qk_head_dim * c
+    Q = T * H * a.qk_head_dim * c
     ks = _norm(T, d, c)
     q_in = d
     if a.q_lora_rank:
