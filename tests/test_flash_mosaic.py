@@ -4,12 +4,12 @@ On the CPU the kernels run in JAX's Mosaic GPU simulator, which runs the warpgro
 threads and checks the TMA copies and barriers (every phase observed, no slot reused
 early). Its wgmma takes neither register operands nor transposed shared-memory refs, so
 there the matmuls read their operands and multiply them as arrays; everything else is
-the code that runs on the GPU. The simulator is slow: three small shapes cover causal
+the code that runs on the GPU. The simulator is slow: four small shapes cover causal
 and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 2 and
-D 64 and 128; two more the persistent grid with several tiles a program and the
-one-tile-a-CTA, one-product-at-a-time paths; the full-mask default at D 128, a single
-key tile and an odd number of query tiles run forward-only on small shapes. The
-GPU-only cases run long sequences with the default tiles.
+D 64, 128 and 256 (dV and dK in two passes); two more the persistent grid with several
+tiles a program and the one-tile-a-CTA, one-product-at-a-time paths; the full-mask
+default at D 128, a single key tile and an odd number of query tiles run forward-only
+on small shapes. The GPU-only cases run long sequences with the default tiles.
 """
 import dataclasses
 import functools
@@ -74,6 +74,9 @@ CPU_CASES = [
     (1, 100, 70, 1, 1, 128, True),
     # full attention, ragged key tail.
     (1, 70, 120, 1, 1, 64, False),
+    # D 256: dV and dK in two passes (the dV pass on two warpgroups), causal, GQA 2,
+    # masked and unmasked query tiles.
+    (1, 64, 128, 2, 1, 256, True),
 ]
 
 
@@ -246,6 +249,7 @@ def test_default_configs_by_mask():
     fwd, bwd = flash_mosaic.default_fwd_config(256, False), flash_mosaic.default_bwd_config(256)
     assert fwd.block_kv == 64 and fwd.fixed_max and not fwd.persistent
     assert bwd.compute_wgs_bwd == 1 and not (bwd.persistent_dq or bwd.overlap_bwd)
+    assert bwd.dkdv_passes == 2  # one pass's dK and dV accumulators spill at D 256
 
 
 def test_default_configs_mla_fit_shared_memory():
@@ -292,6 +296,8 @@ def test_bad_inputs_raise():
         flash_mosaic.flash_attention(q, q, q, blok_q=64)
     with pytest.raises(ValueError, match="schedule='ping'"):
         flash_mosaic.flash_attention(q, q, q, schedule="ping")
+    with pytest.raises(ValueError, match="dkdv_passes=3 must be 1 or 2"):
+        flash_mosaic.flash_attention(q, q, q, dkdv_passes=3)
     with pytest.raises(ValueError, match="num_stages_bwd=1 must be >= 2"):
         flash_mosaic.flash_attention(q, q, q, bwd=flash_mosaic.BwdConfig(num_stages_bwd=1))
     with pytest.raises(ValueError, match="fwd must be a flash_mosaic.FwdConfig"):
