@@ -77,7 +77,7 @@ def test_flash_triton_forward_and_backward_lower():
 @pytest.mark.parametrize("d,skv,opts", [
     (128, 384, {}),  # full attention here takes the overlapped schedule
     (64, 384, {}),
-    (256, 384, {}),  # 64-key tiles, one compute warpgroup in the backward
+    (256, 384, {}),  # 64-key tiles; the backward's dV and dK in two passes
     (128, 100, {}),  # one 128-key tile: the forward's ring shrinks to its stream
     (128, 384, dict(block_kv=192)),  # one Q buffer: the 192-key ring takes 192 KiB
     (256, 384, dict(persistent=True)),  # one Q buffer
