@@ -265,9 +265,9 @@ def measure_ceilings(path: str, base: str, cfg=None, shapes=(), n: int = 8192,
     over `cost_shapes`), the host's time to launch one (`launch_s`, `_launch_cost` over
     `chain`), and with `cfg` the flash attention kernel's forward and backward FLOP/s at
     its training shape (the config's attention_impl), the grouped matmul's (forward +
-    backward) at its experts' shape, and the FLOP/s of each matmul of `shapes` ((m, k, n, out_major)), of
-    each grouped matmul shape of `gmm_shapes` ({(m, k, n, groups): the FLOPs the plan
-    counts}) and of each fused decode product's of `gemv_shapes`."""
+    backward) at its experts' shape, and the FLOP/s of each matmul of `shapes` ((m, k, n,
+    out_major)), of each grouped matmul shape of `gmm_shapes` ({(m, k, n, groups): the
+    FLOPs the plan counts}) and of each fused decode product's of `gemv_shapes`."""
     import jax
     import jax.numpy as jnp
 

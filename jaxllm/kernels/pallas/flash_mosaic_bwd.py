@@ -180,11 +180,11 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
     v_in_k = not want_dk and dv_dim == d
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        out_refs = rest[:n_out]
+        out_refs, scratch = rest[:n_out], list(rest[n_out:])
         if v_in_k:
-            rest = rest[:n_out + 1] + rest[n_out:]
+            scratch.insert(1, scratch[0])  # V's tile is K's
         (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, in_bar,
-         in_free) = rest[n_out:]
+         in_free) = scratch
         bi, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
         kt = lax.axis_index("kv_seq")
         tile_base = kt * (n_wg * bk)
@@ -310,7 +310,8 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
                 (vec(lse_ref), lse_ring), (vec(delta_ref), delta_ring)])])
 
     scratch = [
-        mg.smem((n_wg, bk, d), dtype), *([] if v_in_k else [mg.smem((n_wg, bk, dv_dim), dtype)]),
+        mg.smem((n_wg, bk, d), dtype),
+        *([] if v_in_k else [mg.smem((n_wg, bk, dv_dim), dtype)]),
         mg.smem((stages, bq, d), dtype), mg.smem((stages, bq, dv_dim), dtype),
         plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
         plgpu.Barrier(num_arrivals=2 if want_dk else 1, num_barriers=n_wg),
