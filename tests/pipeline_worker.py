@@ -41,16 +41,12 @@ LAYOUTS = {
     "1f1b_pp4_fsdp2_zero1": ["parallelism.pp=4", "parallelism.dp=1", "parallelism.fsdp=2",
                              "parallelism.pp_schedule=1f1b", "train.microbatches=4",
                              "train.zero_stage=1"],
-    # pp alone: a mesh of pp devices only
-    "gpipe_pp2_alone": ["parallelism.pp=2", "parallelism.dp=1",
-                        "parallelism.pp_schedule=gpipe", "train.microbatches=2"],
-    "circular_pp2_v2_alone": ["parallelism.pp=2", "parallelism.dp=1",
-                              "parallelism.pp_schedule=circular", "parallelism.pp_repeats=2",
-                              "train.microbatches=4"],
+    # pp alone: a mesh of pp devices only (the schedules' other layouts cover gpipe and
+    # circular)
     "1f1b_pp4_alone": ["parallelism.pp=4", "parallelism.dp=1",
                        "parallelism.pp_schedule=1f1b", "train.microbatches=4"],
 }
-ALONE = {"gpipe_pp2_alone": 2, "circular_pp2_v2_alone": 2, "1f1b_pp4_alone": 4}  # devices
+ALONE = {"1f1b_pp4_alone": 4}  # devices
 
 # An MoE model: one dense layer (run by the first stage), then 2 MoE layers of 4 experts,
 # top-2, one shared expert; 1 MoE layer per stage, compared with its own pp = 1 run.

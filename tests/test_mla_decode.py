@@ -131,13 +131,13 @@ def test_mosaic_ragged_lengths_shuffled_pages():
 
 
 def test_mosaic_split_context_over_a_layer_stack():
-    """Context splits merged by log-sum-exp (a split that is empty for short rows), pages
-    of 16 (two copies a 32-token tile, the second past the length for some rows), a
+    """Context splits merged by log-sum-exp (a split that is empty for the short rows),
+    pages of 16 (two copies a 32-token tile, the second past the length for 17), a
     layer stack read at a traced layer, a table wider than needed (its extra entries
-    out of the pool: never read)."""
-    q, kv, tables, lens = _case(1, 16, 16, 192, [0, 1, 15, 16, 17, 70], jnp.bfloat16)
+    out of the pool: never read). (The lengths around a page: the test above.)"""
+    q, kv, tables, lens = _case(1, 16, 16, 192, [0, 17, 70], jnp.bfloat16)
     stack = jnp.stack([jnp.zeros_like(kv), _finite(kv)])
-    wide = jnp.concatenate([tables, jnp.full((6, 2), 10**6, jnp.int32)], axis=1)
+    wide = jnp.concatenate([tables, jnp.full((len(lens), 2), 10**6, jnp.int32)], axis=1)
     out = jax.jit(lambda layer: mla_mosaic.mla_decode(
         q, stack, wide, lens, v_dim=128, sm_scale=0.2, layer=layer, num_splits=2))(
         jnp.int32(1))
