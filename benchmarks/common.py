@@ -6,7 +6,8 @@ reversed every other round, so slow and fast spells of the device fall on all of
 alike; a figure is the median over rounds, and a ratio between two implementations the
 median of their per-round ratios (steadier than a ratio of two separate timings).
 
-    from benchmarks.common import add_args, interleaved, meta, print_table, speedup, time_fn, write_json
+    from benchmarks.common import (add_args, interleaved, meta, print_table, speedup, time_fn,
+                                   write_json)
 
 Memory-bound work (decoding) is also read against the device's datasheet HBM bandwidth:
 `hbm_bandwidth()`, and `roofline_pct(bytes, seconds)` for the share of it a step reaches.

@@ -59,9 +59,11 @@ from jaxllm.plan.memory import kv_bytes_per_token
 from jaxllm.plan.serving import engine_figures
 
 FULL = dict(config="configs/llama_1b.yaml", requests=512, batch=64, max_seqs=256,
-            context="512:2048", prompt_len="32:2048", output_len="16:512", prefix_len=2048, prefix_requests=16)
+            context="512:2048", prompt_len="32:2048", output_len="16:512", prefix_len=2048,
+            prefix_requests=16)
 QUICK = dict(config="configs/tiny.yaml", requests=8, batch=4, max_seqs=8,
-             context="16:64", prompt_len="8:64", output_len="4:16", prefix_len=64, prefix_requests=3)
+             context="16:64", prompt_len="8:64", output_len="4:16", prefix_len=64,
+             prefix_requests=3)
 QUICK_OVERRIDES = ["model.n_layers=2", "model.max_seq_len=256"]
 
 
@@ -219,8 +221,9 @@ def continuous(engine: Engine, prompts, outputs) -> dict:
     steps = after["steps"] - before["steps"]
     host = {k: 1e3 * (after[k] - before[k]) / steps for k in ("dispatch_s", "wait_s", "collect_s")}
     print(f"engine: {steps} steps ({after['windows'] - before['windows']} decode windows of "
-          f"up to {engine.config.decode_window}); per step: dispatch {host['dispatch_s']:.2f} ms, wait "
-          f"{host['wait_s']:.2f} ms, outputs {host['collect_s']:.2f} ms", flush=True)
+          f"up to {engine.config.decode_window}); per step: dispatch "
+          f"{host['dispatch_s']:.2f} ms, wait {host['wait_s']:.2f} ms, outputs "
+          f"{host['collect_s']:.2f} ms", flush=True)
     return {"case": f"continuous batching (engine, {engine.config.max_num_seqs} seqs, "
                     f"window {engine.config.decode_window})",
             "requests": len(prompts), "complete": complete, "steps": steps,
@@ -398,9 +401,10 @@ def device_trace(trace_dir: str | None, top: int = 12):
         return
     rows = [{"kernel": n, "calls": c, "s": d / 1e9, "% of kernel time": 100 * d / total}
             for n, c, d in totals[:top]]
-    print_table(rows, title=f"continuous batching, traced: the device busy {busy_ns(kernels) / 1e9:.2f} s "
-                            f"of {wall:.2f} s (traced, the host launches every kernel itself, outside "
-                            f"XLA's command buffers), {len(kernels)} kernels")
+    busy = busy_ns(kernels) / 1e9
+    print_table(rows, title=f"continuous batching, traced: the device busy {busy:.2f} s of "
+                            f"{wall:.2f} s (traced, the host launches every kernel itself, "
+                            f"outside XLA's command buffers), {len(kernels)} kernels")
 
 
 @contextlib.contextmanager

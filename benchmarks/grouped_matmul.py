@@ -3,7 +3,8 @@
 
     PYTHONPATH=. python benchmarks/grouped_matmul.py [--rounds 5] [--json PATH]
     PYTHONPATH=. python benchmarks/grouped_matmul.py --tiles block_n=256,num_stages=3
-    PYTHONPATH=. python benchmarks/grouped_matmul.py --mosaic-tiles "block_n=128;block_m=256,block_n=128"
+    PYTHONPATH=. python benchmarks/grouped_matmul.py \
+        --mosaic-tiles "block_n=128;block_m=256,block_n=128"
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/grouped_matmul.py --quick --rounds 1 \
         --no-mosaic   # smoke test (with pallas_mosaic in the simulator: about 15 minutes)
 
@@ -22,8 +23,8 @@ gmm_triton's kernel, so its "d rhs" row times that), ragged_dot, and "dense": lh
 2 M K N FLOPs a product (fwd+bwd: 3x that). Figures: TFLOP/s and "x dense", the median
 per-round ratio of the dense matmul's time to the implementation's in the same mode (the
 target, fwd+bwd: >= 0.7). --tiles adds "pallas_triton, tiles" (other
-`gmm_triton.BlockSizes` fields); --mosaic-tiles "pallas_mosaic, <fields>" rows (`gmm_mosaic.BlockSizes`,
-one per ';'-separated set), all timed in the same rounds.
+`gmm_triton.BlockSizes` fields); --mosaic-tiles "pallas_mosaic, <fields>" rows
+(`gmm_mosaic.BlockSizes`, one per ';'-separated set), all timed in the same rounds.
 Before timing, every implementation of ours (and each tile set) is checked against the
 jnp reference (forward and both gradients) at one shape: --check-tokens tokens, top-8,
 skewed, up; `check` says how it went (max |err| / max |want| <= 2e-2 per output).

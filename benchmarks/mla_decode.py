@@ -2,7 +2,8 @@
 kernels against the jnp reference (XLA), on DeepSeek-V3's latent shape.
 
     PYTHONPATH=. python benchmarks/mla_decode.py [--rounds 5] [--json PATH] [--sweep]
-    PYTHONPATH=. python benchmarks/mla_decode.py --config block_h=32 --config num_splits=4,num_stages=3
+    PYTHONPATH=. python benchmarks/mla_decode.py --config block_h=32 \
+        --config num_splits=4,num_stages=3
     PYTHONPATH=. python benchmarks/mla_decode.py --mosaic-config num_stages=2,num_splits=2
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/mla_decode.py --quick   # smoke test
 

@@ -656,7 +656,8 @@ def gpu_check(args) -> list[dict]:
     measured_step = time_fn(step, target_s=0.5, batches=3)
     rows.append(_row("train step (ms)", 1e3 * p.step_s, 1e3 * p.kernel_step_s,
                      1e3 * measured_step, p.bound))
-    del state, params, opt_state, fns
+    state.clear()  # the train state's buffers freed before the decode runs
+    del params, opt_state
 
     model = build_model(cfg.model, rngs=nnx.Rngs(0))
     dparams = decode_params(model, cfg)

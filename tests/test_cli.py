@@ -9,8 +9,6 @@ import signal
 
 import pytest
 
-import jaxllm
-
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import load_config
 from jaxllm.train import __main__ as train_cli

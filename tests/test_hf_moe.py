@@ -3,7 +3,6 @@
 through HF directories, and the configs jaxllm refuses."""
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -15,7 +15,7 @@ import jaxllm
 from jaxllm.config import ConfigError, MLAConfig, RopeScaling
 from jaxllm.inference.params import decode_params
 from jaxllm.inference.step import forward, init_cache
-from jaxllm.kernels import flash_attention, pick, reference
+from jaxllm.kernels import flash_attention, reference
 from jaxllm.model.layers import apply_rope, rope_frequencies
 from jaxllm.model.mla import MLA
 

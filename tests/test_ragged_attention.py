@@ -167,8 +167,8 @@ def test_key_splits_match_reference_reading_nothing_else(kv_splits, hq, hkv):
 def test_default_splits_follow_the_rule(monkeypatch):
     """On a GPU of 132 SMs (1B model shapes: Hq 16 / Hkv 8, S = 64 sequence slots): the
     decode launch splits several ways at T = 16 and 32 and two ways at T = 64 (64 blocks x
-    8 heads, under four waves); the prefill launch splits up to 16 ways at small T; nothing splits past T =
-    256; off the GPU nothing splits."""
+    8 heads, under four waves); the prefill launch splits up to 16 ways at small T; nothing
+    splits past T = 256; off the GPU nothing splits."""
     def splits(t):
         sds = jax.ShapeDtypeStruct
         pages = sds((8, 64, 16, 128), jnp.bfloat16)

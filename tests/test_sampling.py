@@ -37,6 +37,7 @@ def test_greedy_and_distribution():
     assert (sample(logits, jax.random.key(0), 0.0) == jnp.argmax(logits, -1)).all()
     probs = probabilities(logits, 0.7, top_k=6)
     assert np.allclose(probs.sum(-1), 1) and ((probs > 0).sum(-1) == 6).all()
-    draws = jax.vmap(lambda k: sample(logits, k, 0.7, top_k=6))(jax.random.split(jax.random.key(3), 4000))
+    keys = jax.random.split(jax.random.key(3), 4000)
+    draws = jax.vmap(lambda k: sample(logits, k, 0.7, top_k=6))(keys)
     freq = np.stack([np.bincount(np.asarray(draws[:, r]), minlength=20) / 4000 for r in range(2)])
     assert np.abs(freq - np.asarray(probs)).max() < 0.04

@@ -35,7 +35,7 @@ def flash_attention_with_lse(q, k, v, *, causal: bool = True, sm_scale: float | 
     included).
     """
     b, sq, hq, d = q.shape
-    skv, hkv = k.shape[1], k.shape[2]
+    skv = k.shape[1]
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
     s = attention_scores(q, k, sm_scale)  # (B, Hkv, G, Sq, Skv)
     if causal:

@@ -5,6 +5,7 @@ from flax import nnx
 
 from jaxllm.kernels.xla import cached_attention
 from jaxllm.model.layers import Linear, RMSNorm, apply_rope, param
+from jaxllm.sharding.context import causal_attention
 
 
 class HeadNorm(RMSNorm):
@@ -13,7 +14,6 @@ class HeadNorm(RMSNorm):
     def __init__(self, head_dim: int, *, eps: float, dtype, param_dtype, rngs):
         super().__init__(head_dim, eps=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.scale = param(rngs, (head_dim,), ("head_dim",), param_dtype, value=1.0)
-from jaxllm.sharding.context import causal_attention
 
 
 class Attention(nnx.Module):

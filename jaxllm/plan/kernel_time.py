@@ -19,7 +19,6 @@ for the training step, `kernel_infer.py` for prefill and decode steps.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from jaxllm.config import Config, ModelConfig

@@ -15,7 +15,6 @@ request: the prompt plus half of `inference.max_new_tokens`.
 from __future__ import annotations
 
 import io
-import math
 from dataclasses import dataclass, field
 
 from jaxllm.config import Config, ConfigError

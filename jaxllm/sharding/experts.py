@@ -186,7 +186,6 @@ def _combine(out, sent, offsets, got, *, ragged):
     device's rows began in source s's sorted order."""
     n, m, d = out.shape
     if ragged:
-        i = lax.axis_index("ep")
         return lax.ragged_all_to_all(out.reshape(n * m, d), jnp.zeros((m, d), out.dtype),
                                      jnp.arange(n, dtype=jnp.int32) * m, got, offsets, sent,
                                      axis_name="ep")

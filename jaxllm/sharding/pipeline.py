@@ -98,10 +98,10 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"train.distill_from with parallelism.pp={pp} is not supported; "
                           f"distil with parallelism.pp=1")
     if m.moe is not None and kind == "1f1b" and m.moe.balance == "aux_loss":
-        raise ConfigError(f"model.moe.balance=aux_loss with parallelism.pp_schedule=1f1b is "
-                          f"not supported (the loss's gradient needs the whole batch's expert "
-                          f"load before the first microbatch's backward); use "
-                          f"pp_schedule=gpipe or circular, or model.moe.balance=bias")
+        raise ConfigError("model.moe.balance=aux_loss with parallelism.pp_schedule=1f1b is "
+                          "not supported (the loss's gradient needs the whole batch's expert "
+                          "load before the first microbatch's backward); use "
+                          "pp_schedule=gpipe or circular, or model.moe.balance=bias")
 
 
 def _positions(x):
@@ -262,7 +262,7 @@ class Pipeline:
         inputs, targets = self._microbatches(batch)
         fwd = self.schedule if self.kind != "1f1b" else build("gpipe", self.p, self.m)
         ticks = jnp.asarray(fwd.forward_ticks())  # [T, p, 2] (microbatch, stage)
-        p, v, m = self.p, self.v, self.m
+        p, v = self.p, self.v
         last = p * v - 1
 
         # What autodiff keeps of a tick is stacked over all ticks. So the head's loss (and
