@@ -58,6 +58,7 @@ from jaxllm.kernels.pallas.mosaic_common import LOG2E
 HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))  # (D, Dv) pairs
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SCHEDULES = ("pingpong", "overlapped")
+DV_PASS_WGS = 2  # compute warpgroups of the dV pass (dkdv_passes 2): it loads no V tile
 
 
 def _check_tiles(cfg, stages: tuple[str, ...]):
@@ -172,8 +173,8 @@ def _bwd_tiles(sq: int, skv: int, cfg: BwdConfig) -> tuple[BwdConfig, int, int]:
     cfg = dataclasses.replace(cfg, block_kv_dq=min(cfg.block_kv_dq, mg.round_up(skv, 64)))
     n_wg = cfg.compute_wgs_bwd
     q_mult = math.lcm(n_wg * cfg.block_q_dq, cfg.block_q_dkv)
-    kv_mult = math.lcm(cfg.block_kv_dq, n_wg * cfg.block_kv_dkv,
-                       cfg.dkdv_passes * cfg.block_kv_dkv)  # the dV pass: two warpgroups
+    dkdv_wgs = (n_wg, DV_PASS_WGS) if cfg.dkdv_passes == 2 else (n_wg,)
+    kv_mult = math.lcm(cfg.block_kv_dq, *(w * cfg.block_kv_dkv for w in dkdv_wgs))
     return cfg, mg.round_up(sq, q_mult), mg.round_up(skv, kv_mult)
 
 
@@ -208,7 +209,7 @@ def _flash_bwd(causal, scale, fwd_cfg, bwd_cfg, interpret, res, cts):
     common = dict(causal=causal, scale=scale, cfg=cfg, offset=skv - sq, interpret=interpret)
     dq = dq_kernel(qp, kp, vp, dop, lse2, delta, skv=skv, **common)[:, :sq]
     if cfg.dkdv_passes == 2:
-        dv_common = dict(common, cfg=dataclasses.replace(cfg, compute_wgs_bwd=2))
+        dv_common = dict(common, cfg=dataclasses.replace(cfg, compute_wgs_bwd=DV_PASS_WGS))
         (dv,) = dkdv_kernel(qp, kp, vp, dop, lse2, delta, part="dv", **dv_common)
         (dk,) = dkdv_kernel(qp, kp, vp, dop, lse2, delta, part="dk", **common)
     else:

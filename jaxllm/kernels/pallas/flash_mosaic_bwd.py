@@ -175,7 +175,7 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
     sim = interpret
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-    n_out = 2 if part == "dkdv" else 1
+    n_out = want_dk + want_dv
     # The dV pass reads no V; its dV is staged in the spent K tile where it fits.
     v_in_k = not want_dk and dv_dim == d
 
