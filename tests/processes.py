@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def env(devices: int) -> dict:
     """The environment of a worker with `devices` simulated CPU devices."""
     flags = (f"--xla_force_host_platform_device_count={devices} "
-             "--xla_backend_optimization_level=0")
+             "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
     return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
 
 
