@@ -96,8 +96,11 @@ def test_matches_reference(case):
     ((1, 256, 192, 3, 1, 64), True, dict(persistent_dq=True)),
     # one CTA a tile, each product awaited before the next (the non-default paths)
     ((1, 70, 120, 1, 1, 64), False, dict(persistent=False, persistent_dq=False,
-                                         overlap_bwd=False))],
-    ids=["persistent_causal_gqa3", "plain_full"])
+                                         overlap_bwd=False)),
+    # D 256's dk/dv in one pass, split over two warpgroups (halves exchanged through
+    # shared memory), full attention with ragged tails
+    ((1, 70, 120, 1, 1, 256), False, dict(split_dkdv=True))],
+    ids=["persistent_causal_gqa3", "plain_full", "d256_split_dkdv"])
 def test_grid_and_backward_options(shape, causal, opts):
     _check(*shape, causal=causal, tol=2e-2, block_kv=64, **opts)
 

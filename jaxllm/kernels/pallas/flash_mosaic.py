@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.kernels.pallas import mosaic_common as mg
-from jaxllm.kernels.pallas.flash_mosaic_bwd import dkdv_kernel, dq_kernel
+from jaxllm.kernels.pallas.flash_mosaic_bwd import dkdv_kernel, dkdv_split_kernel, dq_kernel
 from jaxllm.kernels.pallas.flash_mosaic_fwd import forward
 from jaxllm.kernels.pallas.flash_mosaic_fwd import tile_bytes as fwd_tile_bytes
 from jaxllm.kernels.pallas.mosaic_common import LOG2E
@@ -106,6 +106,9 @@ class BwdConfig:
     dkdv_passes: 1, or 2: dV and dK from two kernels, the dK pass recomputing S^T (for
     D 256, whose two float32 accumulators do not fit one warpgroup's registers); the dV
     pass, which reads no V, runs two compute warpgroups, the dK pass compute_wgs_bwd.
+    split_dkdv: dk/dv in one pass on two compute warpgroups that share each key tile and
+    split the gradients' columns (flash_mosaic_bwd.dkdv_split_kernel; overrides
+    dkdv_passes).
     """
     block_q_dq: int = 64
     block_kv_dq: int = 64
@@ -116,6 +119,7 @@ class BwdConfig:
     overlap_bwd: bool = True
     persistent_dq: bool = False
     dkdv_passes: int = 1
+    split_dkdv: bool = False
 
     def __post_init__(self):
         _check_tiles(self, ("num_stages_bwd",))
@@ -208,7 +212,9 @@ def _flash_bwd(causal, scale, fwd_cfg, bwd_cfg, interpret, res, cts):
     kp, vp = mg.pad_axis(k, 1, skv_p), mg.pad_axis(v, 1, skv_p)
     common = dict(causal=causal, scale=scale, cfg=cfg, offset=skv - sq, interpret=interpret)
     dq = dq_kernel(qp, kp, vp, dop, lse2, delta, skv=skv, **common)[:, :sq]
-    if cfg.dkdv_passes == 2:
+    if cfg.split_dkdv:
+        dk, dv = dkdv_split_kernel(qp, kp, vp, dop, lse2, delta, **common)
+    elif cfg.dkdv_passes == 2:
         dv_common = dict(common, cfg=dataclasses.replace(cfg, compute_wgs_bwd=DV_PASS_WGS))
         (dv,) = dkdv_kernel(qp, kp, vp, dop, lse2, delta, part="dv", **dv_common)
         (dk,) = dkdv_kernel(qp, kp, vp, dop, lse2, delta, part="dk", **common)

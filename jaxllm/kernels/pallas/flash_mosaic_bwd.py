@@ -192,7 +192,6 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
         lo = (jnp.minimum(mg.floordiv_nonneg(tile_base - offset, bq), n_q) if causal
               else jnp.int32(0))
         n_t = n_q - lo
-        n_steps = group * n_t
 
         @pl.when(wg < n_wg)
         def _compute():
@@ -289,25 +288,9 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
         def _produce_q():
             plgpu.set_max_registers(BWD_REGISTERS[n_wg][1], action="decrease")
 
-            def where(s):
-                g = lax.div(s, n_t)
-                return h * group + g, pl.ds((lo + s - g * n_t) * bq, bq)
-
-            def tile(ref):
-                def src(s):
-                    qh, rows = where(s)
-                    return ref.at[bi, rows, qh]
-                return src
-
-            def vec(ref):
-                def src(s):
-                    qh, rows = where(s)
-                    return ref.at[bi, qh, rows]
-                return src
-
-            mg.produce(n_steps, stages, [(in_bar, in_free, [
-                (tile(q_ref), q_ring), (tile(do_ref), do_ring),
-                (vec(lse_ref), lse_ring), (vec(delta_ref), delta_ring)])])
+            _produce_group(bi, h, group, lo, n_t, bq, stages, in_bar, in_free,
+                           (q_ref, do_ref, lse_ref, delta_ref),
+                           (q_ring, do_ring, lse_ring, delta_ring))
 
     scratch = [
         mg.smem((n_wg, bk, d), dtype),
@@ -323,3 +306,162 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
     return mg.launch(kernel, out_type, scratch, grid=(n_kt, hkv, b),
                      grid_names=("kv_seq", "heads", "batch"), compute_wgs=n_wg,
                      name="flash_dkdv", interpret=interpret)(q, k, v, do, lse2, delta)
+
+
+def _produce_group(bi, h, group, lo, n_t, bq, stages, in_bar, in_free, refs, rings):
+    """The dk/dv producer: the Q, dO, LSE and delta tiles of query tiles lo, ..., n_q - 1
+    of each query head of KV head h's group in turn (n_t tiles a head) into the ring."""
+    def where(s):
+        g = lax.div(s, n_t)
+        return h * group + g, pl.ds((lo + s - g * n_t) * bq, bq)
+
+    def tile(ref):
+        def src(s):
+            qh, rows = where(s)
+            return ref.at[bi, rows, qh]
+        return src
+
+    def vec(ref):
+        def src(s):
+            qh, rows = where(s)
+            return ref.at[bi, qh, rows]
+        return src
+
+    q_ref, do_ref, lse_ref, delta_ref = refs
+    q_ring, do_ring, lse_ring, delta_ring = rings
+    mg.produce(group * n_t, stages, [(in_bar, in_free, [
+        (tile(q_ref), q_ring), (tile(do_ref), do_ring),
+        (vec(lse_ref), lse_ring), (vec(delta_ref), delta_ring)])])
+
+
+SWIZZLE = 64  # dkdv_split_kernel's tiles
+
+
+def dkdv_split_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpret):
+    """dK, dV in one pass where one warpgroup's two accumulators do not fit its registers
+    (D 256: 128 a thread each). Two compute warpgroups share a tile of block_kv_dkv keys;
+    warpgroup w owns columns [w D/2, (w+1) D/2) of dK and dV. A step's score products are
+    split by query rows: w computes S^T, P^T, dP^T and dS^T for rows [w bq/2, (w+1) bq/2)
+    of the streamed query tile (wgmma N = bq/2) and writes its P^T and dS^T (bf16) to
+    shared memory; past one barrier of two arrivals each warpgroup multiplies both halves
+    into its dV and dK columns. The FLOPs stay the op's. The halves are double-buffered: a
+    buffer is written again two steps later, once the other warpgroup has passed the next
+    step's barrier and so finished reading it. Every tile is swizzled by 64 bytes (the
+    halves' rows are 64 bytes, and a wgmma's operands must share a swizzle)."""
+    b, sq_p, hq, d = q.shape
+    skv_p, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hkv
+    bq, bk, stages = cfg.block_q_dkv, cfg.block_kv_dkv, cfg.num_stages_bwd
+    hb, dh, dvh = bq // 2, d // 2, dv_dim // 2
+    n_kt, n_q = skv_p // bk, sq_p // bq
+    c = scale * LOG2E
+    dtype = jnp.dtype(q.dtype)
+    sim = interpret
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+               k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_x, ds_x, kv_bar,
+               in_bar, in_free, x_bar):
+        bi, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        kv_base = lax.axis_index("kv_seq") * bk
+        keys = pl.ds(kv_base, bk)
+        if causal:
+            lo = jnp.minimum(mg.floordiv_nonneg(kv_base - offset, bq), n_q)
+            full = mg.clip(mg.cdiv_nonneg(kv_base + bk - 1 - offset, bq), lo, n_q)
+        else:
+            lo = full = jnp.int32(0)
+        n_t = n_q - lo
+
+        def consumer(w):
+            plgpu.set_max_registers(BWD_REGISTERS[2][0], action="increase")
+            rows = pl.ds(w * hb, hb)
+            key_ids = mg.iota((bk, hb), 0, sim) + (kv_base - offset)
+            plgpu.barrier_wait(kv_bar)
+
+            def step(t, carry, first, masked):
+                dk, dv = carry
+                s = first + t
+                slot, par = lax.rem(s, jnp.int32(stages)), lax.rem(s, jnp.int32(2))
+                plgpu.barrier_wait(in_bar.at[slot])
+                q_t, do_t = q_ring.at[slot], do_ring.at[slot]
+                lse = mg.load_vec(lse_ring.at[slot, rows], col_layout, sim)
+                dlt = mg.load_vec(delta_ring.at[slot, rows], col_layout, sim)
+
+                def then(st, dpt_fn):
+                    pt = jnp.exp2(st * c - mg.bcast_cols(lse, st.shape))
+                    if masked:
+                        q_ids = mg.iota((bk, hb), 1, sim) + (t * bq + w * hb)
+                        pt = jnp.where(key_ids <= q_ids, pt, 0.0)
+                    dpt = dpt_fn()
+                    return pt, pt * (dpt - mg.bcast_cols(dlt, dpt.shape))
+
+                pt, dst = mg.dot_pair_nt(k_smem, q_t.at[rows], v_smem, do_t.at[rows], then, sim=sim)
+                p_x.at[par, w][...] = pt.astype(dtype)
+                ds_x.at[par, w][...] = dst.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(x_bar)
+                plgpu.barrier_wait(x_bar)
+                products = []
+                for half in range(2):
+                    r = pl.ds(half * hb, hb)
+                    products += [(0, p_x.at[par, half], do_t.at[r, pl.ds(w * dvh, dvh)]),
+                                 (1, ds_x.at[par, half], q_t.at[r, pl.ds(w * dh, dh)])]
+                dv, dk = mg.dots_into((dv, dk), products, sim=sim)
+                plgpu.barrier_arrive(in_free.at[slot])
+                return dk, dv
+
+            def head(g, carry):
+                first = g * n_t - lo
+                carry = lax.fori_loop(lo, full, functools.partial(
+                    step, first=first, masked=True), carry)
+                return lax.fori_loop(full, n_q, functools.partial(
+                    step, first=first, masked=False), carry)
+
+            dk, dv = lax.fori_loop(0, group, head,
+                                   (mg.zeros((bk, dh), sim), mg.zeros((bk, dvh), sim)))
+            # K and V are spent once both warpgroups passed the last step's barrier (their
+            # score products are done); each stages its own columns in them.
+            k_out, v_out = k_smem.at[:, pl.ds(w * dh, dh)], v_smem.at[:, pl.ds(w * dvh, dvh)]
+            k_out[...] = (dk * scale).astype(dtype)
+            v_out[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            for r in range(0, bk, 8):  # a column slice: a TMA copy an 8-row tile
+                rows8 = pl.ds(kv_base + r, 8)
+                plgpu.copy_smem_to_gmem(k_out.at[pl.ds(r, 8)],
+                                        dk_ref.at[bi, rows8, h, pl.ds(w * dh, dh)],
+                                        commit_group=False)
+                plgpu.copy_smem_to_gmem(v_out.at[pl.ds(r, 8)],
+                                        dv_ref.at[bi, rows8, h, pl.ds(w * dvh, dvh)],
+                                        commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        for w in range(2):
+            pl.when(wg == w)(functools.partial(consumer, w))
+
+        @pl.when(wg == 2)
+        def _produce_q():
+            plgpu.set_max_registers(BWD_REGISTERS[2][1], action="decrease")
+            plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, h], k_smem, kv_bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, h], v_smem, kv_bar)
+            _produce_group(bi, h, group, lo, n_t, bq, stages, in_bar, in_free,
+                           (q_ref, do_ref, lse_ref, delta_ref),
+                           (q_ring, do_ring, lse_ring, delta_ring))
+
+    scratch = [
+        *(mg.smem(shape, dtype, swizzle=SWIZZLE) for shape in (
+            (bk, d), (bk, dv_dim), (stages, bq, d), (stages, bq, dv_dim))),
+        plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
+        # P^T and dS^T halves: [buffer, warpgroup, keys, rows]
+        mg.smem((2, 2, bk, hb), dtype, swizzle=SWIZZLE),
+        mg.smem((2, 2, bk, hb), dtype, swizzle=SWIZZLE),
+        plgpu.Barrier(num_arrivals=2, num_barriers=1),
+        plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=1),
+    ]
+    out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
+    return mg.launch(kernel, out_type, scratch, grid=(n_kt, hkv, b),
+                     grid_names=("kv_seq", "heads", "batch"), compute_wgs=2,
+                     name="flash_dkdv_split", interpret=interpret,
+                     reduction_scratch=0)(q, k, v, do, lse2, delta)

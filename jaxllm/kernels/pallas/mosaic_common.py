@@ -73,12 +73,13 @@ def clip(x, lo, hi):
     return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
-def smem(shape, dtype):
-    """Shared memory in the layout wgmma reads: tiles of 8 rows of 128 bytes (8 x 64 for
-    16-bit types), 128-byte swizzle."""
-    cols = 128 // jnp.dtype(dtype).itemsize
+def smem(shape, dtype, swizzle: int = 128):
+    """Shared memory in the layout wgmma reads: tiles of 8 rows of `swizzle` bytes (8 x 64
+    for 16-bit types at the default 128), swizzled as wide. A wgmma's two operands must
+    share a swizzle."""
+    cols = swizzle // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
-                                                plgpu.SwizzleTransform(128)))
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
 def bcast_rows(x, shape):
@@ -196,6 +197,25 @@ def dot_pair_nt(a1, b1, a2, b2, then, *, sim: bool):
         return then(s1, lambda: plgpu.wgmma_accumulator_load(r2, wait_n=0))
     return pl.run_scoped(scoped, plgpu.ACC((a1.shape[0], b1.shape[0]), jnp.float32),
                          plgpu.ACC((a2.shape[0], b2.shape[0]), jnp.float32))
+
+
+def dots_into(accs, products, *, sim: bool):
+    """accs, each accumulator i plus the sum of its products a @ b (products: [(i, a, b)]
+    of SMEM refs), float32: every product issued as an async wgmma, in order, and all
+    awaited once at the end. In the simulator the same arithmetic runs in the same order."""
+    if sim:
+        accs = list(accs)
+        for i, a, b in products:
+            accs[i] = dot(a, b, acc=accs[i], sim=True)
+        return tuple(accs)
+
+    def scoped(*refs):
+        for ref, acc in zip(refs, accs):
+            ref[...] = acc
+        for i, a, b in products:
+            plgpu.wgmma(refs[i], a, b)
+        return tuple(plgpu.wgmma_accumulator_load(ref, wait_n=0) for ref in refs)
+    return pl.run_scoped(scoped, *(plgpu.ACC(acc.shape, jnp.float32) for acc in accs))
 
 
 def load_vec(ref, layout, sim: bool):
