@@ -81,9 +81,10 @@ def test_flash_triton_forward_and_backward_lower():
     (128, 100, {}),  # one 128-key tile: the forward's ring shrinks to its stream
     (128, 384, dict(block_kv=192)),  # one Q buffer: the 192-key ring takes 192 KiB
     (256, 384, dict(persistent=True)),  # one Q buffer
-    (256, 384, dict(fixed_max=False))],  # the running max (not the default)
+    (256, 384, dict(fixed_max=False)),  # the running max (not the default)
+    (256, 384, dict(split_dkdv=True))],  # dk/dv on two warpgroups, 64-byte swizzle
     ids=["d128", "d64", "d256", "one_key_tile", "kv192", "persistent_d256",
-         "running_max_d256"])
+         "running_max_d256", "split_dkdv_d256"])
 def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
     # Mosaic GPU lowers on any machine too; the simulator the CPU tests use never sees the
     # wgmma/TMA lowering.
