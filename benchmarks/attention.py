@@ -51,8 +51,6 @@ VARIANTS = {  # name -> pallas_mosaic options over its defaults
     "mosaic grid": dict(persistent=False, persistent_dq=False),  # one CTA a work item
     "mosaic serial-bwd": dict(overlap_bwd=False),
     "mosaic bk64": dict(block_kv=64),
-    "mosaic split-dkdv": dict(split_dkdv=True),  # D 256: dk/dv in one pass on two warpgroups
-    "mosaic one-pass": dict(dkdv_passes=1),  # D 256: dk/dv in one pass on one warpgroup
 }
 XLA_MAX_S = 4096  # above this the einsums' S x S scores take too much memory
 

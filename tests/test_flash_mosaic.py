@@ -6,9 +6,9 @@ early). Its wgmma takes neither register operands nor transposed shared-memory r
 there the matmuls read their operands and multiply them as arrays; everything else is
 the code that runs on the GPU. The simulator is slow: four small shapes cover causal
 and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 2 and
-D 64, 128 and 256 (dV and dK in two passes); two more the persistent grid with several
-tiles a program and the one-tile-a-CTA, one-product-at-a-time paths; the full-mask
-default at D 128, a single key tile and an odd number of query tiles run forward-only
+D 64, 128 and 256 (dK and dV split over two warpgroups by columns; full attention at D
+256 too); two more the persistent grid with several tiles a program and the
+one-tile-a-CTA, one-product-at-a-time paths; the full-mask default at D 128, a single key tile and an odd number of query tiles run forward-only
 on small shapes. The GPU-only cases run long sequences with the default tiles.
 """
 import dataclasses
@@ -74,7 +74,7 @@ CPU_CASES = [
     (1, 100, 70, 1, 1, 128, True),
     # full attention, ragged key tail.
     (1, 70, 120, 1, 1, 64, False),
-    # D 256: dV and dK in two passes (the dV pass on two warpgroups), causal, GQA 2,
+    # D 256: dK and dV split over two warpgroups by columns, causal, GQA 2,
     # masked and unmasked query tiles.
     (1, 64, 128, 2, 1, 256, True),
 ]
@@ -97,10 +97,10 @@ def test_matches_reference(case):
     # one CTA a tile, each product awaited before the next (the non-default paths)
     ((1, 70, 120, 1, 1, 64), False, dict(persistent=False, persistent_dq=False,
                                          overlap_bwd=False)),
-    # D 256's dk/dv in one pass, split over two warpgroups (halves exchanged through
-    # shared memory), full attention with ragged tails
-    ((1, 70, 120, 1, 1, 256), False, dict(split_dkdv=True))],
-    ids=["persistent_causal_gqa3", "plain_full", "d256_split_dkdv"])
+    # D 256 (dk/dv split over two warpgroups, halves exchanged through shared memory),
+    # full attention with ragged tails
+    ((1, 70, 120, 1, 1, 256), False, {})],
+    ids=["persistent_causal_gqa3", "plain_full", "d256_full_ragged"])
 def test_grid_and_backward_options(shape, causal, opts):
     _check(*shape, causal=causal, tol=2e-2, block_kv=64, **opts)
 
@@ -250,7 +250,7 @@ def test_default_configs_by_mask():
     fwd, bwd = flash_mosaic.default_fwd_config(256, False), flash_mosaic.default_bwd_config(256)
     assert fwd.block_kv == 64 and fwd.fixed_max and not fwd.persistent
     assert bwd.compute_wgs_bwd == 1 and not (bwd.persistent_dq or bwd.overlap_bwd)
-    assert bwd.dkdv_passes == 2  # one pass's dK and dV accumulators spill at D 256
+    assert bwd.split_dkdv  # one warpgroup's dK and dV accumulators spill at D 256
 
 
 def test_default_configs_mla_fit_shared_memory():
@@ -297,8 +297,8 @@ def test_bad_inputs_raise():
         flash_mosaic.flash_attention(q, q, q, blok_q=64)
     with pytest.raises(ValueError, match="schedule='ping'"):
         flash_mosaic.flash_attention(q, q, q, schedule="ping")
-    with pytest.raises(ValueError, match="dkdv_passes=3 must be 1 or 2"):
-        flash_mosaic.flash_attention(q, q, q, dkdv_passes=3)
+    with pytest.raises(ValueError, match="split_dkdv is built for head_dim=v_head_dim=256"):
+        flash_mosaic.flash_attention(q, q, q, split_dkdv=True)
     with pytest.raises(ValueError, match="num_stages_bwd=1 must be >= 2"):
         flash_mosaic.flash_attention(q, q, q, bwd=flash_mosaic.BwdConfig(num_stages_bwd=1))
     with pytest.raises(ValueError, match="fwd must be a flash_mosaic.FwdConfig"):

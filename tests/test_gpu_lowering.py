@@ -77,14 +77,13 @@ def test_flash_triton_forward_and_backward_lower():
 @pytest.mark.parametrize("d,skv,opts", [
     (128, 384, {}),  # full attention here takes the overlapped schedule
     (64, 384, {}),
-    (256, 384, {}),  # 64-key tiles; the backward's dV and dK in two passes
+    (256, 384, {}),  # 64-key tiles; dK and dV split over two warpgroups, 64-byte swizzle
     (128, 100, {}),  # one 128-key tile: the forward's ring shrinks to its stream
     (128, 384, dict(block_kv=192)),  # one Q buffer: the 192-key ring takes 192 KiB
     (256, 384, dict(persistent=True)),  # one Q buffer
-    (256, 384, dict(fixed_max=False)),  # the running max (not the default)
-    (256, 384, dict(split_dkdv=True))],  # dk/dv on two warpgroups, 64-byte swizzle
+    (256, 384, dict(fixed_max=False))],  # the running max (not the default)
     ids=["d128", "d64", "d256", "one_key_tile", "kv192", "persistent_d256",
-         "running_max_d256", "split_dkdv_d256"])
+         "running_max_d256"])
 def test_flash_mosaic_forward_and_backward_lower(causal, d, skv, opts):
     # Mosaic GPU lowers on any machine too; the simulator the CPU tests use never sees the
     # wgmma/TMA lowering.

@@ -20,9 +20,10 @@ each on its own slab of the CTA's tile.
   dq        work items (q tile, Hq, B); streams K, V; dS = P (dO V^T - delta), dQ += dS K.
   dk, dv    grid (kv tiles, Hkv, B); streams Q, dO, LSE, delta of every query head of the
             GQA group in turn (K/V never repeated, dk/dv summed over the group in
-            registers); dV += P^T dO, dK += dS^T Q. At D 256 (dkdv_passes 2) a dV pass
-            (two compute warpgroups; it reads no V) and a dK pass that recomputes S^T:
-            one warpgroup's two accumulators would take 256 registers a thread.
+            registers); dV += P^T dO, dK += dS^T Q. At D 256 (split_dkdv) two compute
+            warpgroups share each key tile and own half of dK's and dV's columns, the
+            halves of P^T and dS^T exchanged through shared memory: one warpgroup's two
+            accumulators would take 256 registers a thread.
   delta = rowsum(dO * O) is computed with jnp before the backward kernels.
 
 The forward and dq kernels run one CTA per work item or (persistent) one CTA per SM
@@ -58,7 +59,6 @@ from jaxllm.kernels.pallas.mosaic_common import LOG2E
 HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))  # (D, Dv) pairs
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SCHEDULES = ("pingpong", "overlapped")
-DV_PASS_WGS = 2  # compute warpgroups of the dV pass (dkdv_passes 2): it loads no V tile
 
 
 def _check_tiles(cfg, stages: tuple[str, ...]):
@@ -103,12 +103,9 @@ class BwdConfig:
     num_stages_bwd: depth of both rings (>= 2); compute_wgs_bwd: compute warpgroups a
     CTA (1 or 2). overlap_bwd: issue the two score products of a step together.
     persistent_dq: one dq CTA per SM looping over the work items.
-    dkdv_passes: 1, or 2: dV and dK from two kernels, the dK pass recomputing S^T (for
-    D 256, whose two float32 accumulators do not fit one warpgroup's registers); the dV
-    pass, which reads no V, runs two compute warpgroups, the dK pass compute_wgs_bwd.
-    split_dkdv: dk/dv in one pass on two compute warpgroups that share each key tile and
-    split the gradients' columns (flash_mosaic_bwd.dkdv_split_kernel; overrides
-    dkdv_passes).
+    split_dkdv: dk/dv on two compute warpgroups that share each key tile and split the
+    gradients' columns (flash_mosaic_bwd.dkdv_split_kernel; for D 256, whose two float32
+    accumulators do not fit one warpgroup's registers; compute_wgs_bwd is then dq's alone).
     """
     block_q_dq: int = 64
     block_kv_dq: int = 64
@@ -118,15 +115,12 @@ class BwdConfig:
     compute_wgs_bwd: int = 2
     overlap_bwd: bool = True
     persistent_dq: bool = False
-    dkdv_passes: int = 1
     split_dkdv: bool = False
 
     def __post_init__(self):
         _check_tiles(self, ("num_stages_bwd",))
         if self.compute_wgs_bwd not in (1, 2):
             raise ValueError(f"compute_wgs_bwd={self.compute_wgs_bwd} must be 1 or 2")
-        if self.dkdv_passes not in (1, 2):
-            raise ValueError(f"dkdv_passes={self.dkdv_passes} must be 1 or 2")
 
 
 def default_fwd_config(head_dim: int, causal: bool = True,
@@ -153,7 +147,8 @@ def default_bwd_config(head_dim: int, causal: bool = True,
                        v_head_dim: int | None = None) -> BwdConfig:
     """The measured fastest backward: a persistent dq for full attention; at D = 256 one
     compute warpgroup a CTA (its tiles and ring fill shared memory), products in turn,
-    and dV and dK in two passes (dkdv_passes; one pass spills its accumulators).
+    and dK / dV split over two warpgroups by columns (split_dkdv; one warpgroup's
+    accumulators spill).
 
     D 192 / Dv 128 (MLA): D 128's tiles, which take 160 KiB there (dq: Q, dO and a 2-deep
     K/V ring of 64 rows each; dk/dv alike); dq keeps one Q buffer
@@ -163,7 +158,7 @@ def default_bwd_config(head_dim: int, causal: bool = True,
     if v_head_dim is not None and v_head_dim != head_dim:
         return BwdConfig(persistent_dq=not causal, overlap_bwd=False)
     if head_dim >= 256:
-        return BwdConfig(compute_wgs_bwd=1, overlap_bwd=False, dkdv_passes=2)
+        return BwdConfig(compute_wgs_bwd=1, overlap_bwd=False, split_dkdv=True)
     return BwdConfig(persistent_dq=not causal)
 
 
@@ -177,8 +172,8 @@ def _bwd_tiles(sq: int, skv: int, cfg: BwdConfig) -> tuple[BwdConfig, int, int]:
     cfg = dataclasses.replace(cfg, block_kv_dq=min(cfg.block_kv_dq, mg.round_up(skv, 64)))
     n_wg = cfg.compute_wgs_bwd
     q_mult = math.lcm(n_wg * cfg.block_q_dq, cfg.block_q_dkv)
-    dkdv_wgs = (n_wg, DV_PASS_WGS) if cfg.dkdv_passes == 2 else (n_wg,)
-    kv_mult = math.lcm(cfg.block_kv_dq, *(w * cfg.block_kv_dkv for w in dkdv_wgs))
+    dkdv_wgs = 1 if cfg.split_dkdv else n_wg  # warpgroups owning key tiles of their own
+    kv_mult = math.lcm(cfg.block_kv_dq, dkdv_wgs * cfg.block_kv_dkv)
     return cfg, mg.round_up(sq, q_mult), mg.round_up(skv, kv_mult)
 
 
@@ -214,10 +209,6 @@ def _flash_bwd(causal, scale, fwd_cfg, bwd_cfg, interpret, res, cts):
     dq = dq_kernel(qp, kp, vp, dop, lse2, delta, skv=skv, **common)[:, :sq]
     if cfg.split_dkdv:
         dk, dv = dkdv_split_kernel(qp, kp, vp, dop, lse2, delta, **common)
-    elif cfg.dkdv_passes == 2:
-        dv_common = dict(common, cfg=dataclasses.replace(cfg, compute_wgs_bwd=DV_PASS_WGS))
-        (dv,) = dkdv_kernel(qp, kp, vp, dop, lse2, delta, part="dv", **dv_common)
-        (dk,) = dkdv_kernel(qp, kp, vp, dop, lse2, delta, part="dk", **common)
     else:
         dk, dv = dkdv_kernel(qp, kp, vp, dop, lse2, delta, **common)
     return dq, dk[:, :skv], dv[:, :skv]
@@ -256,6 +247,9 @@ def _configs(head_dim: int, v_head_dim: int, causal: bool,
                          f"{sorted(_FWD_FIELDS | _BWD_FIELDS)}")
     fwd = dataclasses.replace(fwd, **{n: v for n, v in opts.items() if n in _FWD_FIELDS})
     bwd = dataclasses.replace(bwd, **{n: v for n, v in opts.items() if n in _BWD_FIELDS})
+    if bwd.split_dkdv and (head_dim, v_head_dim) != (256, 256):
+        raise ValueError(f"split_dkdv is built for head_dim=v_head_dim=256; got "
+                         f"{head_dim}, {v_head_dim}")
     fwd_bytes = fwd_tile_bytes(fwd.block_q, fwd.block_kv, fwd.num_stages, head_dim,
                                dv=v_head_dim)
     if fwd_bytes > mg.SMEM_BUDGET:

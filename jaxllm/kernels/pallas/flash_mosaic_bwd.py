@@ -6,9 +6,10 @@
   dk, dv    grid (kv tiles, Hkv, B): each compute warpgroup owns block_kv_dkv keys; the
             Q, dO, LSE and delta tiles of every query head of the GQA group stream past
             in turn, so dk/dv are summed over the group in registers.
-            dV += P^T dO, dK += dS^T Q (computed transposed: S^T = K Q^T). With
-            part "dv" or "dk" one gradient alone (two passes where both accumulators
-            do not fit: D 256).
+            dV += P^T dO, dK += dS^T Q (computed transposed: S^T = K Q^T). Where one
+            warpgroup's two accumulators do not fit its registers (D 256), two
+            warpgroups share each key tile and split dK's and dV's columns
+            (dkdv_split_kernel).
 
 dQ and dK are D wide (the query-key head dim), dO, V and dV Dv wide (the value head dim;
 S = Q K^T contracts over D, dP = dO V^T over Dv).
@@ -152,18 +153,9 @@ def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, skv, offset, inte
                      name="flash_dq", interpret=interpret)(q, k, v, do, lse2, delta)
 
 
-def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpret,
-                part: str = "dkdv"):
+def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpret):
     """dK [B, Skv_p, Hkv, D], dV [.., Dv]: each warpgroup owns block_kv_dkv keys; the Q,
-    dO, LSE and delta tiles of every query head of the GQA group stream past them in turn.
-
-    part "dk" or "dv" computes that gradient alone (a list of one array): the dV pass
-    needs only S^T and holds one accumulator; the dK pass recomputes S^T. Two passes
-    where both accumulators do not fit a warpgroup's registers (D 256: 128 a thread
-    each)."""
-    if part not in ("dkdv", "dk", "dv"):
-        raise ValueError(f"part={part!r}; choose dkdv, dk or dv")
-    want_dk, want_dv = part != "dv", part != "dk"
+    dO, LSE and delta tiles of every query head of the GQA group stream past them in turn."""
     b, sq_p, hq, d = q.shape
     skv_p, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -175,16 +167,8 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
     sim = interpret
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-    n_out = want_dk + want_dv
-    # The dV pass reads no V; its dV is staged in the spent K tile where it fits.
-    v_in_k = not want_dk and dv_dim == d
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        out_refs, scratch = rest[:n_out], list(rest[n_out:])
-        if v_in_k:
-            scratch.insert(1, scratch[0])  # V's tile is K's
-        (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, in_bar,
-         in_free) = scratch
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem,
+               v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, in_bar, in_free):
         bi, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
         kt = lax.axis_index("kv_seq")
         tile_base = kt * (n_wg * bk)
@@ -205,8 +189,7 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
                 lo_w = full_w = 0
             k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
             plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, h], k_tile, kv_bar.at[wg])
-            if want_dk:  # the dV pass needs no V
-                plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, h], v_tile, kv_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, h], v_tile, kv_bar.at[wg])
             plgpu.barrier_wait(kv_bar.at[wg])
             key_ids = mg.iota((bk, bq), 0, sim) + (kv_base - offset)
 
@@ -225,7 +208,7 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
                         pt = jnp.where(key_ids <= q_ids, pt, 0.0)
                     return pt
 
-                if cfg.overlap_bwd and not sim and part == "dkdv":
+                if cfg.overlap_bwd and not sim:
                     # S^T and dP^T issued together; P^T is computed while dP^T runs and
                     # dS^T while dV += P^T dO runs.
                     def scoped(st_ref, dpt_ref, dv_ref, dk_ref):
@@ -244,12 +227,10 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
                     dk, dv = pl.run_scoped(scoped, *(plgpu.ACC(sh, jnp.float32) for sh in shapes))
                 else:  # each product awaited before the next (and the simulator)
                     pt = probs(mg.dot(k_tile, q_t, trans_b=True, sim=sim))
-                    if want_dv:
-                        dv = mg.dot(pt.astype(dtype), do_t, acc=dv, a_ref=False, sim=sim)
-                    if want_dk:
-                        dpt = mg.dot(v_tile, do_t, trans_b=True, sim=sim)
-                        dst = (pt * (dpt - mg.bcast_cols(delta, dpt.shape))).astype(dtype)
-                        dk = mg.dot(dst, q_t, acc=dk, a_ref=False, sim=sim)
+                    dv = mg.dot(pt.astype(dtype), do_t, acc=dv, a_ref=False, sim=sim)
+                    dpt = mg.dot(v_tile, do_t, trans_b=True, sim=sim)
+                    dst = (pt * (dpt - mg.bcast_cols(delta, dpt.shape))).astype(dtype)
+                    dk = mg.dot(dst, q_t, acc=dk, a_ref=False, sim=sim)
                 plgpu.barrier_arrive(in_free.at[slot])
                 return dk, dv
 
@@ -267,20 +248,13 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
                 return lax.fori_loop(full_w, n_q, functools.partial(
                     step, first=first, masked=False), carry)
 
-            # the carry holds the accumulators a pass computes (a scalar stands in for
-            # the other)
-            dk, dv = lax.fori_loop(0, group, head, (
-                mg.zeros((bk, d), sim) if want_dk else jnp.float32(0),
-                mg.zeros((bk, dv_dim), sim) if want_dv else jnp.float32(0)))
-            if want_dk:
-                k_tile[...] = (dk * scale).astype(dtype)
-            if want_dv:
-                v_tile[...] = dv.astype(dtype)
+            dk, dv = lax.fori_loop(0, group, head, (mg.zeros((bk, d), sim),
+                                                    mg.zeros((bk, dv_dim), sim)))
+            k_tile[...] = (dk * scale).astype(dtype)
+            v_tile[...] = dv.astype(dtype)
             plgpu.commit_smem()
-            for ok, tile_, ref in ((want_dk, k_tile, out_refs[0]),
-                                   (want_dv, v_tile, out_refs[-1])):
-                if ok:
-                    plgpu.copy_smem_to_gmem(tile_, ref.at[bi, keys, h], commit_group=False)
+            for tile_, ref in ((k_tile, dk_ref), (v_tile, dv_ref)):
+                plgpu.copy_smem_to_gmem(tile_, ref.at[bi, keys, h], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             plgpu.wait_smem_to_gmem(0)
 
@@ -293,16 +267,14 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
                            (q_ring, do_ring, lse_ring, delta_ring))
 
     scratch = [
-        mg.smem((n_wg, bk, d), dtype),
-        *([] if v_in_k else [mg.smem((n_wg, bk, dv_dim), dtype)]),
+        mg.smem((n_wg, bk, d), dtype), mg.smem((n_wg, bk, dv_dim), dtype),
         mg.smem((stages, bq, d), dtype), mg.smem((stages, bq, dv_dim), dtype),
         plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
-        plgpu.Barrier(num_arrivals=2 if want_dk else 1, num_barriers=n_wg),
+        plgpu.Barrier(num_arrivals=2, num_barriers=n_wg),
         plgpu.Barrier(num_arrivals=4, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
     ]
-    out_type = ([jax.ShapeDtypeStruct(k.shape, dtype)] if want_dk else []) + (
-        [jax.ShapeDtypeStruct(v.shape, dtype)] if want_dv else [])
+    out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     return mg.launch(kernel, out_type, scratch, grid=(n_kt, hkv, b),
                      grid_names=("kv_seq", "heads", "batch"), compute_wgs=n_wg,
                      name="flash_dkdv", interpret=interpret)(q, k, v, do, lse2, delta)
