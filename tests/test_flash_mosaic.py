@@ -9,7 +9,8 @@ and full, Sq < Skv and Sq > Skv (rows that see no key), ragged tails, GQA 1 and 
 D 64, 128 and 256 (dK and dV split over two warpgroups by columns; full attention at D
 256 too); two more the persistent grid with several tiles a program and the
 one-tile-a-CTA, one-product-at-a-time paths; the full-mask default at D 128, a single
-key tile and an odd number of query tiles run forward-only on small shapes. The GPU-only cases run long sequences with the default tiles.
+key tile and an odd number of query tiles run forward-only on small shapes. The GPU-only
+cases run long sequences with the default tiles.
 """
 import dataclasses
 import functools
