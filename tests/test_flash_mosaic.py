@@ -251,7 +251,13 @@ def test_default_configs_by_mask():
     fwd, bwd = flash_mosaic.default_fwd_config(256, False), flash_mosaic.default_bwd_config(256)
     assert fwd.block_kv == 64 and fwd.fixed_max and not fwd.persistent
     assert bwd.compute_wgs_bwd == 1 and not (bwd.persistent_dq or bwd.overlap_bwd)
-    assert bwd.split_dkdv  # one warpgroup's dK and dV accumulators spill at D 256
+    # one warpgroup's dK and dV accumulators spill at D 256: the backward there takes the
+    # kernel that splits them over two warpgroups by columns, and only there
+    for d in (64, 128, 256):
+        x = jax.ShapeDtypeStruct((1, 128, 2, d), jnp.bfloat16)
+        loss = lambda q, k, v: flash_mosaic.flash_attention(q, k, v).astype(jnp.float32).sum()
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, x, x))
+        assert ("flash_dkdv_split" in jaxpr) == (d == 256), d
 
 
 def test_default_configs_mla_fit_shared_memory():
@@ -298,8 +304,6 @@ def test_bad_inputs_raise():
         flash_mosaic.flash_attention(q, q, q, blok_q=64)
     with pytest.raises(ValueError, match="schedule='ping'"):
         flash_mosaic.flash_attention(q, q, q, schedule="ping")
-    with pytest.raises(ValueError, match="split_dkdv is built for head_dim=v_head_dim=256"):
-        flash_mosaic.flash_attention(q, q, q, split_dkdv=True)
     with pytest.raises(ValueError, match="num_stages_bwd=1 must be >= 2"):
         flash_mosaic.flash_attention(q, q, q, bwd=flash_mosaic.BwdConfig(num_stages_bwd=1))
     with pytest.raises(ValueError, match="fwd must be a flash_mosaic.FwdConfig"):

@@ -20,7 +20,7 @@ each on its own slab of the CTA's tile.
   dq        work items (q tile, Hq, B); streams K, V; dS = P (dO V^T - delta), dQ += dS K.
   dk, dv    grid (kv tiles, Hkv, B); streams Q, dO, LSE, delta of every query head of the
             GQA group in turn (K/V never repeated, dk/dv summed over the group in
-            registers); dV += P^T dO, dK += dS^T Q. At D 256 (split_dkdv) two compute
+            registers); dV += P^T dO, dK += dS^T Q. At D 256 (SPLIT_DKDV) two compute
             warpgroups share each key tile and own half of dK's and dV's columns, the
             halves of P^T and dS^T exchanged through shared memory: one warpgroup's two
             accumulators would take 256 registers a thread.
@@ -57,6 +57,10 @@ from jaxllm.kernels.pallas.flash_mosaic_fwd import tile_bytes as fwd_tile_bytes
 from jaxllm.kernels.pallas.mosaic_common import LOG2E
 
 HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))  # (D, Dv) pairs
+# (D, Dv) pairs whose dK and dV are split over two warpgroups by columns: one warpgroup's
+# two float32 accumulators would take 256 registers a thread (the one-warpgroup kernel,
+# spilling, ran forward+backward 0.46x cuDNN against the split's 0.96x; H100)
+SPLIT_DKDV = ((256, 256),)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SCHEDULES = ("pingpong", "overlapped")
 
@@ -103,9 +107,9 @@ class BwdConfig:
     num_stages_bwd: depth of both rings (>= 2); compute_wgs_bwd: compute warpgroups a
     CTA (1 or 2). overlap_bwd: issue the two score products of a step together.
     persistent_dq: one dq CTA per SM looping over the work items.
-    split_dkdv: dk/dv on two compute warpgroups that share each key tile and split the
-    gradients' columns (flash_mosaic_bwd.dkdv_split_kernel; for D 256, whose two float32
-    accumulators do not fit one warpgroup's registers; compute_wgs_bwd is then dq's alone).
+    At the head dims of SPLIT_DKDV, dk/dv run on two compute warpgroups that share each key
+    tile and split the gradients' columns (flash_mosaic_bwd.dkdv_split_kernel), and
+    compute_wgs_bwd is dq's alone.
     """
     block_q_dq: int = 64
     block_kv_dq: int = 64
@@ -115,7 +119,6 @@ class BwdConfig:
     compute_wgs_bwd: int = 2
     overlap_bwd: bool = True
     persistent_dq: bool = False
-    split_dkdv: bool = False
 
     def __post_init__(self):
         _check_tiles(self, ("num_stages_bwd",))
@@ -147,7 +150,7 @@ def default_bwd_config(head_dim: int, causal: bool = True,
                        v_head_dim: int | None = None) -> BwdConfig:
     """The measured fastest backward: a persistent dq for full attention; at D = 256 one
     compute warpgroup a CTA (its tiles and ring fill shared memory), products in turn,
-    and dK / dV split over two warpgroups by columns (split_dkdv; one warpgroup's
+    and dK / dV split over two warpgroups by columns (SPLIT_DKDV; one warpgroup's
     accumulators spill).
 
     D 192 / Dv 128 (MLA): D 128's tiles, which take 160 KiB there (dq: Q, dO and a 2-deep
@@ -158,7 +161,7 @@ def default_bwd_config(head_dim: int, causal: bool = True,
     if v_head_dim is not None and v_head_dim != head_dim:
         return BwdConfig(persistent_dq=not causal, overlap_bwd=False)
     if head_dim >= 256:
-        return BwdConfig(compute_wgs_bwd=1, overlap_bwd=False, split_dkdv=True)
+        return BwdConfig(compute_wgs_bwd=1, overlap_bwd=False)
     return BwdConfig(persistent_dq=not causal)
 
 
@@ -168,11 +171,12 @@ def _fwd_tiles(sq: int, skv: int, cfg: FwdConfig) -> tuple[FwdConfig, int, int]:
     return cfg, mg.round_up(sq, 2 * cfg.block_q), mg.round_up(skv, cfg.block_kv)
 
 
-def _bwd_tiles(sq: int, skv: int, cfg: BwdConfig) -> tuple[BwdConfig, int, int]:
+def _bwd_tiles(sq: int, skv: int, cfg: BwdConfig,
+               split: bool) -> tuple[BwdConfig, int, int]:
     cfg = dataclasses.replace(cfg, block_kv_dq=min(cfg.block_kv_dq, mg.round_up(skv, 64)))
     n_wg = cfg.compute_wgs_bwd
     q_mult = math.lcm(n_wg * cfg.block_q_dq, cfg.block_q_dkv)
-    dkdv_wgs = 1 if cfg.split_dkdv else n_wg  # warpgroups owning key tiles of their own
+    dkdv_wgs = 1 if split else n_wg  # warpgroups owning key tiles of their own
     kv_mult = math.lcm(cfg.block_kv_dq, dkdv_wgs * cfg.block_kv_dkv)
     return cfg, mg.round_up(sq, q_mult), mg.round_up(skv, kv_mult)
 
@@ -197,7 +201,8 @@ def _flash_bwd(causal, scale, fwd_cfg, bwd_cfg, interpret, res, cts):
     q, k, v, o, lse = res
     do, dlse = cts
     sq, skv = q.shape[1], k.shape[1]
-    cfg, sq_p, skv_p = _bwd_tiles(sq, skv, bwd_cfg)
+    split = (q.shape[-1], v.shape[-1]) in SPLIT_DKDV
+    cfg, sq_p, skv_p = _bwd_tiles(sq, skv, bwd_cfg, split)
     # delta = rowsum(dO * O) minus the LSE cotangent (d lse / d s = p). Rows that see no
     # key have LSE -inf; +inf makes their P exactly 0.
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
@@ -207,7 +212,7 @@ def _flash_bwd(causal, scale, fwd_cfg, bwd_cfg, interpret, res, cts):
     kp, vp = mg.pad_axis(k, 1, skv_p), mg.pad_axis(v, 1, skv_p)
     common = dict(causal=causal, scale=scale, cfg=cfg, offset=skv - sq, interpret=interpret)
     dq = dq_kernel(qp, kp, vp, dop, lse2, delta, skv=skv, **common)[:, :sq]
-    if cfg.split_dkdv:
+    if split:
         dk, dv = dkdv_split_kernel(qp, kp, vp, dop, lse2, delta, **common)
     else:
         dk, dv = dkdv_kernel(qp, kp, vp, dop, lse2, delta, **common)
@@ -247,9 +252,6 @@ def _configs(head_dim: int, v_head_dim: int, causal: bool,
                          f"{sorted(_FWD_FIELDS | _BWD_FIELDS)}")
     fwd = dataclasses.replace(fwd, **{n: v for n, v in opts.items() if n in _FWD_FIELDS})
     bwd = dataclasses.replace(bwd, **{n: v for n, v in opts.items() if n in _BWD_FIELDS})
-    if bwd.split_dkdv and (head_dim, v_head_dim) != (256, 256):
-        raise ValueError(f"split_dkdv is built for head_dim=v_head_dim=256; got "
-                         f"{head_dim}, {v_head_dim}")
     fwd_bytes = fwd_tile_bytes(fwd.block_q, fwd.block_kv, fwd.num_stages, head_dim,
                                dv=v_head_dim)
     if fwd_bytes > mg.SMEM_BUDGET:
