@@ -217,23 +217,32 @@ def test_fixed_max_runs_outgrown_tiles_again(opts, causal, monkeypatch):
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "grid"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("n_t, heads, batch, sms", [(7, 3, 2, 5), (4, 2, 1, 3), (6, 1, 1, 8),
-                                                    (5, 4, 3, 132)])
+                                                    (5, 4, 3, 132), (16, 32, 8, 132)])
 def test_tile_schedule_runs_each_tile_once(n_t, heads, batch, sms, causal, persistent):
     from jaxllm.kernels.pallas.mosaic_common import TileSchedule
     sched = TileSchedule(n_t, heads, batch, causal=causal, persistent=persistent, sim=False,
                          sms=sms)
-    seen, loads = [], []
+    seen, loads, first_pairs = [], [], set()
     for pid in range(sched.programs):
         tiles = [tuple(int(x) for x in sched.coords(jnp.int32(pid), jnp.int32(i)))
                  for i in range(int(sched.count(jnp.int32(pid))))]
         seen += tiles
         loads.append(sum(t + 1 for t, _, _ in tiles))  # causal work ~ tile index + 1
+        first_pairs |= {(h, b) for _, h, b in tiles[:2]}
     assert sorted(seen) == [(t, h, b) for t in range(n_t) for h in range(heads)
                             for b in range(batch)]
     assert sched.multi == (sched.programs < n_t * heads * batch)
-    if causal and persistent and n_t * heads * batch >= 2 * sched.programs:
-        # heaviest first, rounds of alternating direction: no program far above the mean
-        assert max(loads) <= 1.08 * sum(loads) / len(loads), loads
+    assert sched.max_count == max(
+        int(sched.count(jnp.int32(p))) for p in range(sched.programs))
+    if causal and persistent:
+        # pairs of tiles n_t - 1 - j and j, n_t + 1 key tiles whatever j: no program runs
+        # more than its share of pairs rounded up
+        assert max(loads) <= -(-sched.n_pairs // sched.programs) * (n_t + 1), loads
+        if sched.n_pairs >= 10 * sched.programs:
+            assert max(loads) <= 1.08 * sum(loads) / len(loads), loads
+    if causal and persistent and n_t >= 2:
+        # pairs run head by head: the programs' first pairs read few heads' K/V
+        assert len(first_pairs) <= -(-sched.programs // (n_t // 2)) + 1, first_pairs
 
 
 def test_default_configs_by_mask():

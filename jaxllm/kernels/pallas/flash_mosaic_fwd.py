@@ -72,7 +72,7 @@ def forward(q, k, v, *, causal, scale, cfg, skv, offset, interpret):
     # fixed_max needs scale > 0 (its paths mask the raw scores and scale them inside
     # exp2: masked -inf times c <= 0 is not -inf) and room beside the tiles for a flag per
     # tile and warpgroup, its barrier, the reduction scratch and 1 KiB to spare.
-    max_tiles = -(-order.n_items // order.programs)
+    max_tiles = order.max_count
     flag_bytes = mg.round_up(n_wg * max_tiles * 4, 128) + 128 + mg.round_up(FLAG_SCRATCH, 128)
     fixed_max = (cfg.fixed_max and c > 0 and
                  tile_bytes(bq, bk, stages, d, dtype.itemsize, q_buffers=n_qbuf, dv=dv)

@@ -363,30 +363,48 @@ class TileSchedule:
     Plain: one program per tile, tile index fastest (the CTAs running together share
     K/V heads in L2); when causal the last tiles (most keys) come first. Persistent: one
     program per SM (2 programs under the simulator, so each runs several), program pid
-    running tiles pid, pid + programs, ... of the same order. Causal work grows with the tile
-    index, so there a static split is balanced another way: all heads' heaviest tiles
-    first, dealt in rounds of alternating direction (round r to programs 0..P-1, round
-    r + 1 to P-1..0), which evens out each program's total.
+    running tiles pid, pid + programs, ... of the same order. Causal work grows with the
+    tile index, so there a static split is balanced by pairs: a head's tiles n_t - 1 - j
+    and j (heaviest first) make a pair of n_t + 1 key tiles whatever j, and program pid
+    runs pairs pid, pid + programs, ... (both tiles of each). The pairs run head by head,
+    so the programs running together read few heads' K/V (it stays in L2), and a pair's
+    second tile reads a prefix of its first one's. With n_t odd, the middle tiles of two
+    heads make a pair, after all the others (the last one alone where there is one over).
     """
 
     def __init__(self, n_t: int, heads: int, batch: int, *, causal: bool,
                  persistent: bool, sim: bool, sms: int | None = None):
         self.n_t, self.heads, self.causal = n_t, heads, causal
-        self.snake = causal and persistent
+        self.paired = causal and persistent
         self.n_items = n_t * heads * batch
         self.programs = self.n_items
         if persistent:
             if sms is None:
                 sms = 2 if sim else int(getattr(jax.devices()[0], "core_count", 0) or 132)
-            self.programs = min(self.n_items, sms)
-        self.multi = self.programs < self.n_items  # some program runs several tiles
+            self.programs = min(self.n_pairs if self.paired else self.n_items, sms)
+        self.multi = self.max_count > 1  # some program runs several tiles
+
+    @property
+    def n_pairs(self) -> int:
+        return -(-self.n_items // 2)
+
+    @property
+    def max_count(self) -> int:
+        """The most tiles a program runs."""
+        if not self.paired:
+            return -(-self.n_items // self.programs)
+        rounds = -(-self.n_pairs // self.programs)  # program 0 runs the most pairs
+        # ... and only it, when the last pair is one tile and falls to it
+        alone = self.n_items % 2 and (self.n_pairs - 1) % self.programs == 0
+        return 2 * rounds - int(bool(alone))
 
     def count(self, pid):
         """Tiles program pid runs."""
-        if self.snake:
-            rounds, rem = divmod(self.n_items, self.programs)
-            pos = pid if rounds % 2 == 0 else self.programs - 1 - pid
-            return rounds + (pos < rem).astype(jnp.int32)
+        if self.paired:
+            n = 2 * cdiv_nonneg(self.n_pairs - pid, self.programs)
+            if self.n_items % 2:  # the last pair is one tile
+                n = n - (pid == (self.n_pairs - 1) % self.programs).astype(jnp.int32)
+            return n
         return cdiv_nonneg(self.n_items - pid, self.programs)
 
     def query_tile(self, pid, i, *, rows, bk, n_kv, offset):
@@ -402,13 +420,18 @@ class TileSchedule:
 
     def coords(self, pid, i):
         """(tile, head, batch) of program pid's i-th tile."""
-        if self.snake:
-            pos = jnp.where(lax.rem(i, jnp.int32(2)) == 0, pid, self.programs - 1 - pid)
-            t = i * self.programs + pos
-            hb = self.n_items // self.n_t  # heads x batch
-            level, rest = lax.div(t, jnp.int32(hb)), lax.rem(t, jnp.int32(hb))
-            h, bi = lax.rem(rest, jnp.int32(self.heads)), lax.div(rest, jnp.int32(self.heads))
-            return self.n_t - 1 - level, h, bi
+        if self.paired:
+            t = 2 * (pid + lax.div(i, jnp.int32(2)) * self.programs) + lax.rem(i, jnp.int32(2))
+            per_head = 2 * (self.n_t // 2)  # the tiles of a head's full pairs
+            n_paired = per_head * (self.n_items // self.n_t)
+            e = lax.div(t, jnp.int32(max(per_head, 1)))  # (head, batch) of a full pair
+            w = lax.rem(t, jnp.int32(max(per_head, 1)))
+            j = lax.div(w, jnp.int32(2))
+            tile = jnp.where(lax.rem(w, jnp.int32(2)) == 0, self.n_t - 1 - j, j)
+            middle = t >= n_paired  # odd n_t: the middle tiles, one head after another
+            e = jnp.where(middle, t - n_paired, e)
+            tile = jnp.where(middle, self.n_t // 2, tile)
+            return tile, lax.rem(e, jnp.int32(self.heads)), lax.div(e, jnp.int32(self.heads))
         t = pid + i * self.programs
         tile, rest = lax.rem(t, jnp.int32(self.n_t)), lax.div(t, jnp.int32(self.n_t))
         h, bi = lax.rem(rest, jnp.int32(self.heads)), lax.div(rest, jnp.int32(self.heads))
