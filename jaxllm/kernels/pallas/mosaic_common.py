@@ -365,7 +365,7 @@ class TileSchedule:
     program per SM (2 programs under the simulator, so each runs several), program pid
     running tiles pid, pid + programs, ... of the same order. Causal work grows with the
     tile index, so there a static split is balanced by pairs: a head's tiles n_t - 1 - j
-    and j (heaviest first) make a pair of n_t + 1 key tiles whatever j, and program pid
+    and j (heaviest first) make a pair that streams as many keys whatever j; program pid
     runs pairs pid, pid + programs, ... (both tiles of each). The pairs run head by head,
     so the programs running together read few heads' K/V (it stays in L2), and a pair's
     second tile reads a prefix of its first one's. With n_t odd, the middle tiles of two
