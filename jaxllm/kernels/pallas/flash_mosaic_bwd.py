@@ -3,7 +3,7 @@
   dq        work items (q tile, Hq, B): each compute warpgroup owns block_q_dq query
             rows and their dO, LSE and delta; K/V tiles stream through the ring.
             dS = P (dO V^T - delta), dQ += dS K, P = exp2(S log2 e - LSE log2 e).
-  dk, dv    grid (kv tiles, Hkv, B): each compute warpgroup owns block_kv_dkv keys; the
+  dk, dv    grid (B, Hkv, kv tiles): each compute warpgroup owns block_kv_dkv keys; the
             Q, dO, LSE and delta tiles of every query head of the GQA group stream past
             in turn, so dk/dv are summed over the group in registers.
             dV += P^T dO, dK += dS^T Q (computed transposed: S^T = K Q^T). Where one
@@ -32,6 +32,10 @@ from jaxllm.kernels.pallas.mosaic_common import LOG2E
 
 # Registers a thread of the compute / producer warpgroups, by compute warpgroups a CTA.
 BWD_REGISTERS = {2: (240, 24), 1: (240, 40)}
+# The dK/dV kernels' grid. Mosaic GPU maps a grid's last axis to CUDA's fastest-varying
+# block index, so the CTAs launched together are one (batch, head)'s key tiles: they
+# stream the same Q, dO, LSE and delta tiles, which L2 then serves once for all of them.
+DKDV_GRID = ("batch", "heads", "kv_seq")
 
 
 def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, skv, offset, interpret):
@@ -275,8 +279,8 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
     ]
     out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
-    return mg.launch(kernel, out_type, scratch, grid=(n_kt, hkv, b),
-                     grid_names=("kv_seq", "heads", "batch"), compute_wgs=n_wg,
+    return mg.launch(kernel, out_type, scratch, grid=(b, hkv, n_kt),
+                     grid_names=DKDV_GRID, compute_wgs=n_wg,
                      name="flash_dkdv", interpret=interpret)(q, k, v, do, lse2, delta)
 
 
@@ -433,7 +437,7 @@ def dkdv_split_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, i
         plgpu.Barrier(num_arrivals=2, num_barriers=1),
     ]
     out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
-    return mg.launch(kernel, out_type, scratch, grid=(n_kt, hkv, b),
-                     grid_names=("kv_seq", "heads", "batch"), compute_wgs=2,
+    return mg.launch(kernel, out_type, scratch, grid=(b, hkv, n_kt),
+                     grid_names=DKDV_GRID, compute_wgs=2,
                      name="flash_dkdv_split", interpret=interpret,
                      reduction_scratch=0)(q, k, v, do, lse2, delta)
