@@ -18,8 +18,9 @@ zero-padded to a multiple of 64. Three warpgroups, warp-specialised:
              is too large for one warpgroup's registers (v_dim 512: 256 a thread), so
              warpgroup w owns O_w = O[:, w*v_dim/2 : (w+1)*v_dim/2]. The score product is
              split along its contraction instead of being done twice: warpgroup 0
-             multiplies the first ceil(Dk/128) 64-column groups of Q and the tile,
-             warpgroup 1 the rest, each into a partial S_w [64, block_k] (float32):
+             multiplies the first half of the columns of Q and the tile (rounded up to
+             a swizzle row: 288 of 576 with 32-token tiles), warpgroup 1 the rest,
+             each into a partial S_w [64, block_k] (float32):
 
     S_w   = Q[:, cols_w] @ tile[:, cols_w]^T          # partial scores, wgmma from SMEM
     S     = S_w + S_(1-w)                              # exchanged through shared memory
@@ -99,10 +100,12 @@ def _smem(shape, dtype, swz: int):
                                                 plgpu.SwizzleTransform(swz)))
 
 
-def qk_columns(dk: int, w: int) -> tuple[int, int]:
-    """(first column, width) of warpgroup w's share of the score contraction: warpgroup 0
-    takes the first ceil(Dk / 128) groups of 64 columns, warpgroup 1 the rest."""
-    split = COL * -(-dk // (2 * COL))
+def qk_columns(dk: int, w: int, unit: int = COL) -> tuple[int, int]:
+    """(first column, width) of warpgroup w's share of the score contraction, split at a
+    multiple of `unit` columns (a swizzle row of Q and the ring: 32 columns with 32-token
+    tiles): warpgroup 0 takes the first ceil(Dk / (2 unit)) units, warpgroup 1 the rest,
+    so at Dk 576 each takes 288 columns."""
+    split = unit * -(-dk // (2 * unit))
     return (0, split) if w == 0 else (split, dk - split)
 
 
@@ -122,7 +125,7 @@ def _kernel(layer_ref, lengths_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref,
 
     def consumer(w: int):
         plgpu.set_max_registers(REGISTERS[0], action="increase")
-        c0, cw = qk_columns(dk, w)
+        c0, cw = qk_columns(dk, w, swizzle(bk, dtype.itemsize) // dtype.itemsize)
         q_w = q_smem.at[:, pl.ds(c0, cw)]
         k_w = lambda slot: ring.at[slot, :, pl.ds(c0, cw)]  # noqa: E731
         v_w = lambda slot: ring.at[slot, :, pl.ds(w * vh, vh)]  # noqa: E731
@@ -189,8 +192,8 @@ def _kernel(layer_ref, lengths_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref,
         empty = l == 0.0
         l_safe = jnp.where(empty, 1.0, l)
         o = acc * mg.bcast_rows(1.0 / l_safe, acc.shape)
-        # Q is spent: warpgroup w's O columns are not among the other's score columns
-        # (qk_columns), and its own score products are done.
+        # Q is spent: both warpgroups' score products are done once the last exchange
+        # is passed (each waited for its own before writing its partial).
         o_smem = q_smem.at[:, pl.ds(w * vh, vh)]
         o_smem[...] = o.astype(dtype)
         if w == 0:
