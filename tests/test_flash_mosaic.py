@@ -214,6 +214,22 @@ def test_fixed_max_runs_outgrown_tiles_again(opts, causal, monkeypatch):
                                o_ref[:, ~hot & seen], atol=2e-2, rtol=2e-2)
 
 
+def test_dkdv_grid_launches_key_tiles_together_unless_a_short_causal_grid(monkeypatch):
+    """Key tiles are the fastest block index (the grid's last axis), except in causal grids
+    of under KV_FAST_CAUSAL_WAVES waves, which end on every head's lightest tiles."""
+    from jaxllm.kernels.pallas import flash_mosaic_bwd as bwd
+    monkeypatch.setattr(jax.devices()[0].__class__, "core_count", 132, raising=False)
+    waves = bwd.KV_FAST_CAUSAL_WAVES
+    for (b, hkv, n_kt), causal, kv_last in [((4, 8, 32), True, False),   # the headline
+                                             ((4, 8, 32), False, True),
+                                             ((8, 32, 16), True, True),   # 31 waves
+                                             ((1, 1, waves * 132), True, True),
+                                             ((1, 1, waves * 132 - 1), True, False)]:
+        grid, names = bwd.dkdv_grid(b, hkv, n_kt, causal, sim=False)
+        assert dict(zip(names, grid)) == dict(batch=b, heads=hkv, kv_seq=n_kt)
+        assert (names[-1] == "kv_seq") == kv_last, (b, hkv, n_kt, causal)
+
+
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "grid"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("n_t, heads, batch, sms", [(7, 3, 2, 5), (4, 2, 1, 3), (6, 1, 1, 8),

@@ -18,13 +18,13 @@ each on its own slab of the CTA's tile.
             sum outgrows float32's safe range runs again, in the same kernel, with the
             running max.
   dq        work items (q tile, Hq, B); streams K, V; dS = P (dO V^T - delta), dQ += dS K.
-  dk, dv    grid (B, Hkv, kv tiles), a head's kv tiles launched together; streams Q,
-            dO, LSE, delta of every query head of the GQA group in turn (K/V never
-            repeated, dk/dv summed over the group in registers); dV += P^T dO,
-            dK += dS^T Q. At D 256 (SPLIT_DKDV) two compute warpgroups share each key
-            tile and own half of dK's and dV's columns, the halves of P^T and dS^T
-            exchanged through shared memory: one warpgroup's two accumulators would
-            take 256 registers a thread.
+  dk, dv    grid (B, Hkv, kv tiles), a head's kv tiles launched together but in short
+            causal grids (dkdv_grid); streams Q, dO, LSE, delta of every query head of
+            the GQA group in turn (K/V never repeated, dk/dv summed over the group in
+            registers); dV += P^T dO, dK += dS^T Q. At D 256 (SPLIT_DKDV) two compute
+            warpgroups share each key tile and own half of dK's and dV's columns, the
+            halves of P^T and dS^T exchanged through shared memory: one warpgroup's two
+            accumulators would take 256 registers a thread.
   delta = rowsum(dO * O) is computed with jnp before the backward kernels.
 
 The forward and dq kernels run one CTA per work item or (persistent) one CTA per SM

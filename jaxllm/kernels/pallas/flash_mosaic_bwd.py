@@ -3,12 +3,12 @@
   dq        work items (q tile, Hq, B): each compute warpgroup owns block_q_dq query
             rows and their dO, LSE and delta; K/V tiles stream through the ring.
             dS = P (dO V^T - delta), dQ += dS K, P = exp2(S log2 e - LSE log2 e).
-  dk, dv    grid (B, Hkv, kv tiles): each compute warpgroup owns block_kv_dkv keys; the
-            Q, dO, LSE and delta tiles of every query head of the GQA group stream past
-            in turn, so dk/dv are summed over the group in registers.
-            dV += P^T dO, dK += dS^T Q (computed transposed: S^T = K Q^T). Where one
-            warpgroup's two accumulators do not fit its registers (D 256), two
-            warpgroups share each key tile and split dK's and dV's columns
+  dk, dv    grid over (B, Hkv, kv tiles) (dkdv_grid): each compute warpgroup owns
+            block_kv_dkv keys; the Q, dO, LSE and delta tiles of every query head of
+            the GQA group stream past in turn, so dk/dv are summed over the group in
+            registers. dV += P^T dO, dK += dS^T Q (computed transposed: S^T = K Q^T).
+            Where one warpgroup's two accumulators do not fit its registers (D 256),
+            two warpgroups share each key tile and split dK's and dV's columns
             (dkdv_split_kernel).
 
 dQ and dK are D wide (the query-key head dim), dO, V and dV Dv wide (the value head dim;
@@ -32,10 +32,25 @@ from jaxllm.kernels.pallas.mosaic_common import LOG2E
 
 # Registers a thread of the compute / producer warpgroups, by compute warpgroups a CTA.
 BWD_REGISTERS = {2: (240, 24), 1: (240, 40)}
-# The dK/dV kernels' grid. Mosaic GPU maps a grid's last axis to CUDA's fastest-varying
-# block index, so the CTAs launched together are one (batch, head)'s key tiles: they
-# stream the same Q, dO, LSE and delta tiles, which L2 then serves once for all of them.
-DKDV_GRID = ("batch", "heads", "kv_seq")
+# Causal dK/dV grids of fewer CTAs than this many waves of one a SM launch batch-fastest
+# (dkdv_grid).
+KV_FAST_CAUSAL_WAVES = 16
+
+
+def dkdv_grid(b: int, hkv: int, n_kt: int, causal: bool, sim: bool):
+    """(grid, grid_names) of the dK/dV kernels. Mosaic GPU maps a grid's last axis to
+    CUDA's fastest-varying block index. Key tiles last: the CTAs launched together are one
+    (batch, head)'s key tiles, which stream the same Q, dO, LSE and delta tiles, so L2
+    serves them once for all (A8 in docs/performance.md: fwd+bwd 1.06-1.13x the
+    batch-fastest order in full attention, D 64 and 256 MHA causal). But a causal head's
+    first key tiles see the most queries, and in that order the last CTAs are the last
+    heads' tiles, heavy ones among them; batch last, they are every head's lightest. With
+    few waves that tail outweighs the shared reads (the D 128 GQA headline, 7.8 waves on
+    132 SMs: 0.97x), so causal grids under KV_FAST_CAUSAL_WAVES waves keep batch last."""
+    sms = 2 if sim else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    if causal and b * hkv * n_kt < KV_FAST_CAUSAL_WAVES * sms:
+        return (n_kt, hkv, b), ("kv_seq", "heads", "batch")
+    return (b, hkv, n_kt), ("batch", "heads", "kv_seq")
 
 
 def dq_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, skv, offset, interpret):
@@ -279,8 +294,8 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
     ]
     out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
-    return mg.launch(kernel, out_type, scratch, grid=(b, hkv, n_kt),
-                     grid_names=DKDV_GRID, compute_wgs=n_wg,
+    grid, names = dkdv_grid(b, hkv, n_kt, causal, sim)
+    return mg.launch(kernel, out_type, scratch, grid=grid, grid_names=names, compute_wgs=n_wg,
                      name="flash_dkdv", interpret=interpret)(q, k, v, do, lse2, delta)
 
 
@@ -437,7 +452,7 @@ def dkdv_split_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, i
         plgpu.Barrier(num_arrivals=2, num_barriers=1),
     ]
     out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
-    return mg.launch(kernel, out_type, scratch, grid=(b, hkv, n_kt),
-                     grid_names=DKDV_GRID, compute_wgs=2,
+    grid, names = dkdv_grid(b, hkv, n_kt, causal, sim)
+    return mg.launch(kernel, out_type, scratch, grid=grid, grid_names=names, compute_wgs=2,
                      name="flash_dkdv_split", interpret=interpret,
                      reduction_scratch=0)(q, k, v, do, lse2, delta)
