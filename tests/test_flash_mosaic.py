@@ -218,7 +218,7 @@ def test_dkdv_grid_launches_key_tiles_together_unless_a_short_causal_grid(monkey
     """Key tiles are the fastest block index (the grid's last axis), except in causal grids
     of under KV_FAST_CAUSAL_WAVES waves, which end on every head's lightest tiles."""
     from jaxllm.kernels.pallas import flash_mosaic_bwd as bwd
-    monkeypatch.setattr(jax.devices()[0].__class__, "core_count", 132, raising=False)
+    monkeypatch.setattr(mg, "sm_count", lambda sim: 132)
     waves = bwd.KV_FAST_CAUSAL_WAVES
     for (b, hkv, n_kt), causal, kv_last in [((4, 8, 32), True, False),   # the headline
                                              ((4, 8, 32), False, True),

@@ -61,7 +61,7 @@ HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))  # (D, Dv) pairs
 # (D, Dv) pairs whose dK and dV are split over two warpgroups by columns: one warpgroup's
 # two float32 accumulators would take 256 registers a thread (the one-warpgroup kernel,
 # spilling, ran forward+backward 0.46x / 0.48x cuDNN against the split's 0.955x / 0.889x,
-# causal / full; H100)
+# causal / full; H100, run A6)
 SPLIT_DKDV = ((256, 256),)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SCHEDULES = ("pingpong", "overlapped")

@@ -47,8 +47,7 @@ def dkdv_grid(b: int, hkv: int, n_kt: int, causal: bool, sim: bool):
     heads' tiles, heavy ones among them; batch last, they are every head's lightest. With
     few waves that tail outweighs the shared reads (the D 128 GQA headline, 7.8 waves on
     132 SMs: 0.97x), so causal grids under KV_FAST_CAUSAL_WAVES waves keep batch last."""
-    sms = 2 if sim else int(getattr(jax.devices()[0], "core_count", 0) or 132)
-    if causal and b * hkv * n_kt < KV_FAST_CAUSAL_WAVES * sms:
+    if causal and b * hkv * n_kt < KV_FAST_CAUSAL_WAVES * mg.sm_count(sim):
         return (n_kt, hkv, b), ("kv_seq", "heads", "batch")
     return (b, hkv, n_kt), ("batch", "heads", "kv_seq")
 

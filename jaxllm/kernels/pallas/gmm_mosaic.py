@@ -123,10 +123,6 @@ def _stages(bs: BlockSizes, bn: int, itemsize: int, out_itemsize: int) -> int:
     return stages
 
 
-def _sms(sim: bool) -> int:
-    return 2 if sim else int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
 def _gmm(lhs, rhs, group_sizes, out_dtype, *, trans_rhs: bool, bs: BlockSizes,
          interpret: bool):
     """lhs [M, K] x rhs [G, K, N] (trans_rhs: [G, N, K]) -> [M, N] in out_dtype."""
@@ -141,7 +137,7 @@ def _gmm(lhs, rhs, group_sizes, out_dtype, *, trans_rhs: bool, bs: BlockSizes,
     n_items = pl.cdiv(m, bm) + g_count
     n_col = n // bn
     n_units = n_items * n_col
-    programs = min(n_units, _sms(interpret))
+    programs = min(n_units, mg.sm_count(interpret))
     starts, ends = gmm_triton._group_bounds(group_sizes, m)
     group, tile = gmm_triton._work_items(starts, ends, bm, n_items)
     lhs = mg.pad_axis(lhs, 0, mg.round_up(m, bm))  # whole row tiles for the TMA loads

@@ -77,7 +77,7 @@ N_WG = 2  # compute warpgroups a CTA
 # 128 producer threads must fit the SM's 64K registers), as the flash forward.
 REGISTERS = (232, 40)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-COL = 64  # a 128-byte swizzle row of 16-bit values: the unit of every column split
+COL = 64  # a 128-byte swizzle row of 16-bit values: Dk and v_dim / N_WG are multiples
 
 
 def smem_bytes(dk: int, block_k: int, stages: int, itemsize: int = 2) -> int:
@@ -100,7 +100,7 @@ def _smem(shape, dtype, swz: int):
                                                 plgpu.SwizzleTransform(swz)))
 
 
-def qk_columns(dk: int, w: int, unit: int = COL) -> tuple[int, int]:
+def qk_columns(dk: int, w: int, unit: int) -> tuple[int, int]:
     """(first column, width) of warpgroup w's share of the score contraction, split at a
     multiple of `unit` columns (a swizzle row of Q and the ring: 32 columns with 32-token
     tiles): warpgroup 0 takes the first ceil(Dk / (2 unit)) units, warpgroup 1 the rest,
@@ -266,12 +266,6 @@ def unsupported_reason(q, kv_pages, v_dim: int) -> str | None:
     return None
 
 
-def _sm_count(sim: bool) -> int:
-    if sim:  # the simulator: one split unless asked for more
-        return 2
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
 def default_splits(batch: int, hq: int, n_table: int, page: int, sms: int,
                    block_k: int = 32) -> int:
     """The context splits `mla_decode` takes by default for `batch` rows of `hq` heads over
@@ -327,7 +321,7 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     head_blocks = hq_p // HEADS
     n_tiles = -(-n_table * page // block_k)
     if num_splits is None:
-        num_splits = default_splits(batch, hq, n_table, page, _sm_count(interpret), block_k)
+        num_splits = default_splits(batch, hq, n_table, page, mg.sm_count(interpret), block_k)
     num_splits = max(1, min(num_splits, n_tiles))
     tiles_per_split = -(-n_tiles // num_splits)
     num_splits = -(-n_tiles // tiles_per_split)

@@ -357,6 +357,12 @@ def consume_tiles(n_tiles, n_buf, load, wait, body, redo=None):
                       total)
 
 
+def sm_count(sim: bool) -> int:
+    """SMs of the device (132 where it does not say); 2 under the simulator, so that
+    persistent programs there each run several items."""
+    return 2 if sim else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
 class TileSchedule:
     """Which (tile, head, batch) work a program of a query-tiled grid runs, in order.
 
@@ -380,7 +386,7 @@ class TileSchedule:
         self.programs = self.n_items
         if persistent:
             if sms is None:
-                sms = 2 if sim else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+                sms = sm_count(sim)
             self.programs = min(self.n_pairs if self.paired else self.n_items, sms)
         self.multi = self.max_count > 1  # some program runs several tiles
 
