@@ -18,13 +18,13 @@ each on its own slab of the CTA's tile.
             sum outgrows float32's safe range runs again, in the same kernel, with the
             running max.
   dq        work items (q tile, Hq, B); streams K, V; dS = P (dO V^T - delta), dQ += dS K.
-  dk, dv    grid (B, Hkv, kv tiles), a head's kv tiles launched together but in short
-            causal grids (dkdv_grid); streams Q, dO, LSE, delta of every query head of
-            the GQA group in turn (K/V never repeated, dk/dv summed over the group in
-            registers); dV += P^T dO, dK += dS^T Q. At D 256 (SPLIT_DKDV) two compute
-            warpgroups share each key tile and own half of dK's and dV's columns, the
-            halves of P^T and dS^T exchanged through shared memory: one warpgroup's two
-            accumulators would take 256 registers a thread.
+  dk, dv    grid (B, Hkv, kv tiles), a head's kv tiles launched together, a causal CTA
+            running tiles j and n - 1 - j (dkdv_grid); streams Q, dO, LSE, delta of
+            every query head of the GQA group in turn (K/V never repeated, dk/dv summed
+            over the group in registers); dV += P^T dO, dK += dS^T Q. At D 256
+            (SPLIT_DKDV) two compute warpgroups share each key tile and own half of dK's
+            and dV's columns, the halves of P^T and dS^T exchanged through shared memory:
+            one warpgroup's two accumulators would take 256 registers a thread.
   delta = rowsum(dO * O) is computed with jnp before the backward kernels.
 
 The forward and dq kernels run one CTA per work item or (persistent) one CTA per SM
@@ -132,7 +132,8 @@ def default_fwd_config(head_dim: int, causal: bool = True,
                        v_head_dim: int | None = None) -> FwdConfig:
     """The measured fastest forward for a head dim and mask: the ping-pong schedule,
     except full attention at D = 128 (overlapped); at D = 256, 64-key tiles so that Q
-    and the ring fit in shared memory, and one CTA per item.
+    and the ring fit in shared memory, and one CTA per item in full attention (causal:
+    persistent, its pairs balanced; A9: 1.06-1.11x one CTA an item).
 
     D 192 / Dv 128 (MLA; not yet measured): the schedules of D 128 (the O accumulator is
     as wide), with 64-key tiles 3 deep: Q (48 KiB), O's own staging tiles (32 KiB) and a
@@ -142,7 +143,7 @@ def default_fwd_config(head_dim: int, causal: bool = True,
         return FwdConfig(block_kv=64, num_stages=3,
                          schedule="pingpong" if causal else "overlapped")
     if head_dim >= 256:
-        return FwdConfig(block_kv=64, persistent=False)
+        return FwdConfig(block_kv=64, persistent=causal)
     if not causal and head_dim == 128:
         return FwdConfig(schedule="overlapped")
     return FwdConfig()

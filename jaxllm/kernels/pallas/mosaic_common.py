@@ -9,7 +9,6 @@ plain array code with the same arithmetic.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -231,34 +230,6 @@ def load_vec(ref, layout, sim: bool):
 
 def zeros(shape, sim: bool):
     return layout(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA, sim)
-
-
-def produce(n_steps, stages, groups):
-    """Producer loop: step s of [0, n_steps) goes to ring slot s % stages once it is free.
-
-    groups: list of (loaded barriers, free barriers, [(src_fn(step) -> GMEM ref, ring)]);
-    the copies of one group share its barriers (loaded counts one arrival per copy).
-    """
-    def issue(step, slot, wait_free):
-        for loaded, free, copies in groups:
-            if wait_free:
-                plgpu.barrier_wait(free.at[slot])
-            for src_fn, ring in copies:
-                plgpu.copy_gmem_to_smem(src_fn(step), ring.at[slot], loaded.at[slot])
-
-    for i in range(stages):
-        pl.when(i < n_steps)(functools.partial(issue, i, i, False))
-
-    @pl.loop(0, jnp.maximum(n_steps - stages, 0))
-    def _(s):
-        issue(s + stages, lax.rem(s, jnp.int32(stages)), True)
-
-    # Drain: see the consumers release the last slots, so that every thread that waits
-    # on a barrier has observed all of its phases when the kernel ends.
-    @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
-    def _(s):
-        for _, free, _ in groups:
-            plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
 
 
 def produce_steps(base, n_steps, stages, groups):
