@@ -12,7 +12,8 @@ Conventions: FLOPs = 4 B Hq Sq Skv D, halved when causal; fwd+bwd counts 3.5x th
 time is the median over batches of back-to-back jitted calls; the implementations of a
 shape are timed in --rounds interleaved rounds, a figure is the median over rounds and
 "x cudnn" the median per-round ratio to cuDNN. rel_err is ||o - ref|| / ||ref|| of the
-forward against the float32 reference on up to 4 query heads.
+forward against the float32 reference on up to 4 query heads, grad_err the largest such
+error of dq, dk and dv (those heads and their KV heads) of <o, dO>.
 
   PYTHONPATH=. python benchmarks/attention.py                # headline: D 128 GQA 4, D 256, D 64
   PYTHONPATH=. python benchmarks/attention.py --grid --seqs 1024,4096
@@ -99,6 +100,29 @@ def rel_error(o, q, k, v, causal):
     return float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
 
 
+def grad_error(grads, q, k, v, do, causal, repeated):
+    """The largest ||g - ref|| / ||ref|| of dq, dk and dv against the float32 reference's
+    gradients of <o, dO>, on <= 4 query heads and their KV heads; `repeated`: dk and dv
+    are of K/V repeated to every query head (summed back over each group here)."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    nkv = max(1, 4 // g)
+    dq, dk, dv = (x.astype(jnp.float32) for x in grads)
+    if repeated:
+        dk, dv = (x.reshape(*x.shape[:2], hkv, g, x.shape[-1]).sum(3) for x in (dk, dv))
+
+    def loss(q, k, v):
+        return jnp.vdot(reference.flash_attention(q, k, v, causal=causal),
+                        do[:, :, :nkv * g].astype(jnp.float32))
+
+    with jax.default_matmul_precision("highest"):
+        ref = jax.grad(loss, argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (
+            q[:, :, :nkv * g], k[:, :, :nkv], v[:, :, :nkv])))
+    got = (dq[:, :, :nkv * g], dk[:, :, :nkv], dv[:, :, :nkv])
+    return max(float(jnp.linalg.norm(x - r) / jnp.linalg.norm(r)) for x, r in zip(got, ref))
+
+
 def bench_shape(shape, causal, impls, rounds, batches=5, target_s=0.03):
     """One row per implementation: compiled and checked first, then fwd and fwd+bwd timed
     in interleaved rounds."""
@@ -122,7 +146,7 @@ def bench_shape(shape, causal, impls, rounds, batches=5, target_s=0.03):
         g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         try:
             row["rel_err"] = rel_error(f(q, kk, vv), q, k, v, causal)
-            jax.block_until_ready(g(q, kk, vv, do))
+            row["grad_err"] = grad_error(g(q, kk, vv, do), q, k, v, do, causal, repeat)
         except Exception as e:  # noqa: BLE001  one failing impl must not hide the others
             row["error"] = _error(e)
             continue
@@ -323,7 +347,7 @@ def main():
         print(f"B,S,Hq,Hkv,D = {shape}, {'causal' if causal else 'full'}", flush=True)
         rows += bench_shape(shape, causal, impls, rounds, **timing)
     cols = ["b", "s", "hq", "hkv", "d", "mask", "impl", "fwd_tflops", "fwd_x_cudnn",
-            "fwdbwd_tflops", "fwdbwd_x_cudnn", "rel_err", "error", "note"]
+            "fwdbwd_tflops", "fwdbwd_x_cudnn", "rel_err", "grad_err", "error", "note"]
     print_table(rows, [c for c in cols if any(c in r for r in rows)],
                 title=f"TFLOP/s; x cudnn: median per-round ratio over {rounds} rounds")
     write_json(args.json, rows, mode="grid" if args.grid else "throughput")
