@@ -476,7 +476,9 @@ def main(argv=None):
     params = decode_params(model, cfg)
     engine_kw = dict(max_num_seqs=args.max_seqs)
     if args.quick:  # a small pool and budget, unless inference.engine overrides set them
-        quick = dict(num_pages=256, page_size=8, max_num_batched_tokens=64)
+        # (the budget at least --max-seqs: every running sequence gets a token a step)
+        quick = dict(num_pages=256, page_size=8,
+                     max_num_batched_tokens=max(64, args.max_seqs))
         engine_kw.update({k: v for k, v in quick.items()
                           if not any(o.startswith(f"inference.engine.{k}=") for o in overrides)})
 
