@@ -259,7 +259,8 @@ def test_tile_schedule_runs_each_tile_once(n_t, heads, batch, sms, causal, persi
 
 def test_default_configs_by_mask():
     # ping-pong, except full attention at D = 128 (overlapped); persistent forward and
-    # overlapped backward at D <= 128, a persistent dq when full; fixed_max everywhere
+    # overlapped backward at D <= 128, a persistent dq when full; fixed_max everywhere;
+    # at D 256 a persistent forward only when causal
     assert flash_mosaic.default_fwd_config(128, causal=False).schedule == "overlapped"
     for d, causal in ((128, True), (64, False), (64, True), (256, True), (256, False)):
         assert flash_mosaic.default_fwd_config(d, causal).schedule == "pingpong", (d, causal)
@@ -271,6 +272,7 @@ def test_default_configs_by_mask():
             assert bwd.overlap_bwd and bwd.persistent_dq == (not causal)
     fwd, bwd = flash_mosaic.default_fwd_config(256, False), flash_mosaic.default_bwd_config(256)
     assert fwd.block_kv == 64 and fwd.fixed_max and not fwd.persistent
+    assert flash_mosaic.default_fwd_config(256, True).persistent
     assert bwd.compute_wgs_bwd == 1 and not (bwd.persistent_dq or bwd.overlap_bwd)
     # one warpgroup's dK and dV accumulators spill at D 256: the backward there takes the
     # kernel that splits them over two warpgroups by columns, and only there
