@@ -19,13 +19,14 @@ kernel a sequence, no padded heads):
 Each `--config` (comma-separated keyword=value of `mla_triton.mla_decode`: block_h,
 block_k, num_splits, num_warps, num_stages) adds one more row of the Triton kernel, each
 `--mosaic-config` (block_k, num_stages, num_splits of `mla_mosaic.mla_decode`) one of the
-Mosaic kernel; `--sweep` adds the Mosaic kernel's ring depths and context splits (about
-two minutes more). Every implementation is first checked against the reference on the
-inputs it is timed on (the `check` column) and, before the timings, the kernels on
-ragged lengths (0, 1, page - 1, page, page + 1, partial and full contexts) with and
-without splits; an implementation that fails to compile is reported with its error and
-left out of the timings. Implementations are timed in interleaved rounds
-(`benchmarks.common`); "x ref" is the median per-round ratio.
+Mosaic kernel (at Hq 16 "mosaic" is the narrow kernel, `mla_mosaic_narrow`; a config
+with block_k times the kernel of 64 padded heads beside it); `--sweep` adds the Mosaic
+kernel's ring depths and context splits (about two minutes more). Every implementation
+is first checked against the reference on the inputs it is timed on (the `check` column)
+and, before the timings, the kernels on ragged lengths (0, 1, page - 1, page, page + 1,
+partial and full contexts) with and without splits; an implementation that fails to
+compile is reported with its error and left out of the timings. Implementations are timed
+in interleaved rounds (`benchmarks.common`); "x ref" is the median per-round ratio.
 """
 from __future__ import annotations
 

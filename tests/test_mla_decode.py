@@ -124,22 +124,24 @@ def _mosaic_check(q, kv, tables, lens, v_dim, sm_scale, **kw):
 
 
 def test_mosaic_ragged_lengths_shuffled_pages():
-    """DeepSeek-V3's latent row (Dk 576 = 512 + 64, v 512), bf16, pages of 64 read as
-    32-token tiles (half a page), 16 heads padded to the CTA's 64, one split."""
+    """DeepSeek-V3's latent row (Dk 576 = 512 + 64, v 512), bf16, pages of 64, 16 heads:
+    the narrow kernel (64-token tiles as the products' M), one split."""
     q, kv, tables, lens = _case(0, 64, 16, 576, [0, 1, 63, 64, 65, 197], jnp.bfloat16)
     _mosaic_check(q, _finite(kv), tables, lens, 512, 576**-0.5)
 
 
-def test_mosaic_split_context_over_a_layer_stack():
+@pytest.mark.parametrize("kw", [{}, dict(block_k=32)], ids=["narrow", "heads_padded"])
+def test_mosaic_split_context_over_a_layer_stack(kw):
     """Context splits merged by log-sum-exp (a split that is empty for the short rows),
-    pages of 16 (two copies a 32-token tile, the second past the length for 17), a
-    layer stack read at a traced layer, a table wider than needed (its extra entries
-    out of the pool: never read). (The lengths around a page: the test above.)"""
+    pages of 16 (several copies a tile, past the length for 17), a layer stack read at a
+    traced layer, a table wider than needed (its extra entries out of the pool: never
+    read); 16 heads through the narrow kernel, and padded to 64 with 32-token tiles.
+    (The lengths around a page: the test above.)"""
     q, kv, tables, lens = _case(1, 16, 16, 192, [0, 17, 70], jnp.bfloat16)
     stack = jnp.stack([jnp.zeros_like(kv), _finite(kv)])
     wide = jnp.concatenate([tables, jnp.full((len(lens), 2), 10**6, jnp.int32)], axis=1)
     out = jax.jit(lambda layer: mla_mosaic.mla_decode(
-        q, stack, wide, lens, v_dim=128, sm_scale=0.2, layer=layer, num_splits=2))(
+        q, stack, wide, lens, v_dim=128, sm_scale=0.2, layer=layer, num_splits=2, **kw))(
         jnp.int32(1))
     want = _reference(q, _finite(kv), tables, lens, v_dim=128, sm_scale=0.2)
     _close(out, want, jnp.bfloat16)
@@ -159,7 +161,12 @@ def test_mosaic_two_head_blocks_whole_page_tiles():
 def test_mosaic_bad_inputs_raise():
     q, kv, tables, lens = _case(0, 64, 4, 576, [5, 9], jnp.bfloat16)
     with pytest.raises(ValueError, match="v_dim=320 is not a multiple of 128"):
-        mla_mosaic.mla_decode(q, kv, tables, lens, v_dim=320, sm_scale=0.1)
+        mla_mosaic.mla_decode(q, kv, tables, lens, v_dim=320, sm_scale=0.1, block_k=32)
+    with pytest.raises(ValueError, match="v_dim=96 is not a multiple of 128"):  # nor 64
+        mla_mosaic.mla_decode(q, kv, tables, lens, v_dim=96, sm_scale=0.1)
+    from jaxllm.kernels.pallas import mla_mosaic_narrow
+    assert "Hq=17 is over 16" in mla_mosaic_narrow.unsupported_reason(
+        jnp.zeros((2, 17, 576), jnp.bfloat16), kv, 512)
     with pytest.raises(ValueError, match="block_k=64 with num_stages=2 takes 280 KiB"):
         mla_mosaic.mla_decode(q, kv, tables, lens, v_dim=512, sm_scale=0.1, block_k=64)
     with pytest.raises(ValueError, match="block_k=16 must be 32 or 64"):

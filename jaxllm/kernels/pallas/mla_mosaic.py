@@ -219,34 +219,43 @@ def _kernel(layer_ref, lengths_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref,
     def _produce():
         plgpu.set_max_registers(REGISTERS[1], action="decrease")
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(hb * HEADS, HEADS)], q_smem, q_bar)
-        rows = min(bk, page)  # rows a copy: part of one page, or one whole page
-        last_page = mg.cdiv_nonneg(length, page) - 1
-        base = layer_ref[0] * pool_pages
+        produce_tiles(kv_ref, tables_ref, ring, kv_bar, kv_free, b=b,
+                      base=layer_ref[0] * pool_pages, first=first, n_steps=n_steps,
+                      length=length, bk=bk, page=page, stages=stages)
 
-        def issue(j, slot):
-            for c in range(bk // rows):
-                tok = (first + j) * bk + c * rows
-                # pages past the length (a tile of several pages) re-read the last one
-                pos = jnp.minimum(lax.div(tok, jnp.int32(page)), last_page)
-                src = kv_ref.at[base + tables_ref[b, pos],
-                                pl.ds(lax.rem(tok, jnp.int32(page)), rows)]
-                dst = ring.at[slot] if rows == bk else ring.at[slot, pl.ds(c * rows, rows)]
-                plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[slot])
 
-        for i in range(stages):
-            pl.when(i < n_steps)(functools.partial(issue, i, i))
+def produce_tiles(kv_ref, tables_ref, ring, kv_bar, kv_free, *, b, base, first, n_steps,
+                  length, bk: int, page: int, stages: int):
+    """The producer: latent tiles first, ..., first + n_steps - 1 of sequence b (bk rows
+    each, pages from its block table, pool rows from `base`) into the `stages`-deep ring,
+    a slot refilled once the consumers free it (kv_free)."""
+    rows = min(bk, page)  # rows a copy: part of one page, or one whole page
+    last_page = mg.cdiv_nonneg(length, page) - 1
 
-        @pl.loop(0, jnp.maximum(n_steps - stages, 0))
-        def _(j):
-            slot = lax.rem(j, jnp.int32(stages))
-            plgpu.barrier_wait(kv_free.at[slot])
-            issue(j + stages, slot)
+    def issue(j, slot):
+        for c in range(bk // rows):
+            tok = (first + j) * bk + c * rows
+            # pages past the length (a tile of several pages) re-read the last one
+            pos = jnp.minimum(lax.div(tok, jnp.int32(page)), last_page)
+            src = kv_ref.at[base + tables_ref[b, pos],
+                            pl.ds(lax.rem(tok, jnp.int32(page)), rows)]
+            dst = ring.at[slot] if rows == bk else ring.at[slot, pl.ds(c * rows, rows)]
+            plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[slot])
 
-        # Drain: see the consumers free the last slots, so that every waiting thread has
-        # observed all of a barrier's phases when the kernel ends.
-        @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
-        def _(j):
-            plgpu.barrier_wait(kv_free.at[lax.rem(j, jnp.int32(stages))])
+    for i in range(stages):
+        pl.when(i < n_steps)(functools.partial(issue, i, i))
+
+    @pl.loop(0, jnp.maximum(n_steps - stages, 0))
+    def _(j):
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.barrier_wait(kv_free.at[slot])
+        issue(j + stages, slot)
+
+    # Drain: see the consumers free the last slots, so that every waiting thread has
+    # observed all of a barrier's phases when the kernel ends.
+    @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+    def _(j):
+        plgpu.barrier_wait(kv_free.at[lax.rem(j, jnp.int32(stages))])
 
 
 def unsupported_reason(q, kv_pages, v_dim: int) -> str | None:
@@ -288,8 +297,15 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     num_stages: depth of the ring (default: as deep as shared memory allows, at most 3);
     num_splits: CTAs per (sequence, head block) along the context (default: as many as
     fill one wave of one CTA an SM). `interpret` (default: on the CPU) runs the kernel
-    in JAX's Mosaic GPU simulator.
+    in JAX's Mosaic GPU simulator. At <= 16 heads, unless block_k or num_stages is given,
+    mla_mosaic_narrow's kernel runs instead (tokens as the products' M: no padded heads).
     """
+    from jaxllm.kernels.pallas import mla_mosaic_narrow as narrow
+    if (q.shape[1] <= narrow.MAX_HEADS and block_k is None and num_stages is None
+            and narrow.unsupported_reason(q, kv_pages, v_dim) is None):
+        return narrow.mla_decode(q, kv_pages, block_tables, lengths, v_dim=v_dim,
+                                 sm_scale=sm_scale, layer=layer, num_splits=num_splits,
+                                 interpret=interpret)
     kv_pages, n_layers = flat_layers(kv_pages, layer)
     why = unsupported_reason(q, kv_pages, v_dim)
     if why:
