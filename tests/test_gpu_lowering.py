@@ -118,10 +118,11 @@ def test_mla_mosaic_lowers(opts):
             ((2,), jnp.int32))
 
 
-@pytest.mark.parametrize("heads,page,splits", [(16, 64, 3), (8, 16, 1)])
+@pytest.mark.parametrize("heads,page,splits", [(16, 64, 3), (8, 16, 1), (32, 64, 1)])
 def test_mla_mosaic_narrow_lowers(heads, page, splits):
-    # <= 16 heads: the narrow kernel (tokens as M); pages of 64 (one copy a tile) with
-    # split partials, or of 16 (four copies a tile), 8 heads padded to 16
+    # <= 32 heads: the narrow kernel (tokens as M); pages of 64 (one copy a tile) with
+    # split partials, or of 16 (four copies a tile), 8 heads padded to 16; 32 heads
+    # (64-byte swizzles, the most shared memory)
     fn = functools.partial(mla_mosaic.mla_decode, v_dim=512, sm_scale=0.1, interpret=False,
                            num_splits=splits)
     shapes = (((2, heads, 576), BF16), ((40, page, 576), BF16), ((2, 8), jnp.int32),

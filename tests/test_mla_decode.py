@@ -130,14 +130,15 @@ def test_mosaic_ragged_lengths_shuffled_pages():
     _mosaic_check(q, _finite(kv), tables, lens, 512, 576**-0.5)
 
 
-@pytest.mark.parametrize("kw", [{}, dict(block_k=32)], ids=["narrow", "heads_padded"])
-def test_mosaic_split_context_over_a_layer_stack(kw):
+@pytest.mark.parametrize("hq,kw", [(24, {}), (16, dict(block_k=32))],
+                         ids=["narrow_n32", "heads_padded"])
+def test_mosaic_split_context_over_a_layer_stack(hq, kw):
     """Context splits merged by log-sum-exp (a split that is empty for the short rows),
     pages of 16 (several copies a tile, past the length for 17), a layer stack read at a
     traced layer, a table wider than needed (its extra entries out of the pool: never
-    read); 16 heads through the narrow kernel, and padded to 64 with 32-token tiles.
-    (The lengths around a page: the test above.)"""
-    q, kv, tables, lens = _case(1, 16, 16, 192, [0, 17, 70], jnp.bfloat16)
+    read); 24 heads through the narrow kernel (padded to 32), and 16 padded to 64 with
+    32-token tiles. (The lengths around a page: the test above.)"""
+    q, kv, tables, lens = _case(1, 16, hq, 192, [0, 17, 70], jnp.bfloat16)
     stack = jnp.stack([jnp.zeros_like(kv), _finite(kv)])
     wide = jnp.concatenate([tables, jnp.full((len(lens), 2), 10**6, jnp.int32)], axis=1)
     out = jax.jit(lambda layer: mla_mosaic.mla_decode(
@@ -165,8 +166,8 @@ def test_mosaic_bad_inputs_raise():
     with pytest.raises(ValueError, match="v_dim=96 is not a multiple of 128"):  # nor 64
         mla_mosaic.mla_decode(q, kv, tables, lens, v_dim=96, sm_scale=0.1)
     from jaxllm.kernels.pallas import mla_mosaic_narrow
-    assert "Hq=17 is over 16" in mla_mosaic_narrow.unsupported_reason(
-        jnp.zeros((2, 17, 576), jnp.bfloat16), kv, 512)
+    assert "Hq=33 is over 32" in mla_mosaic_narrow.unsupported_reason(
+        jnp.zeros((2, 33, 576), jnp.bfloat16), kv, 512)
     with pytest.raises(ValueError, match="block_k=64 with num_stages=2 takes 280 KiB"):
         mla_mosaic.mla_decode(q, kv, tables, lens, v_dim=512, sm_scale=0.1, block_k=64)
     with pytest.raises(ValueError, match="block_k=16 must be 32 or 64"):

@@ -297,7 +297,7 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     num_stages: depth of the ring (default: as deep as shared memory allows, at most 3);
     num_splits: CTAs per (sequence, head block) along the context (default: as many as
     fill one wave of one CTA an SM). `interpret` (default: on the CPU) runs the kernel
-    in JAX's Mosaic GPU simulator. At <= 16 heads, unless block_k or num_stages is given,
+    in JAX's Mosaic GPU simulator. At <= 32 heads, unless block_k or num_stages is given,
     mla_mosaic_narrow's kernel runs instead (tokens as the products' M: no padded heads).
     """
     from jaxllm.kernels.pallas import mla_mosaic_narrow as narrow
