@@ -92,8 +92,9 @@ def _kernel(layer_ref, lengths_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref,
             l = l * alpha + p.sum(axis=0)
             p_smem[...] = p.astype(dtype)
             plgpu.commit_smem()
-            acc = [mg.dot(v_t(slot, i), p_smem, acc=a * mg.bcast_cols(alpha, a.shape),
-                          a_ref=not sim, sim=sim) for i, a in enumerate(acc)]
+            acc = list(mg.dots_into(  # every V^T block's product issued, awaited once
+                [a * mg.bcast_cols(alpha, a.shape) for a in acc],
+                [(i, v_t(slot, i), p_smem) for i in range(n_blk)], sim=sim))
             plgpu.barrier_arrive(kv_free.at[slot])
             return acc, m_new, l
 
