@@ -275,6 +275,26 @@ def unsupported_reason(q, kv_pages, v_dim: int) -> str | None:
     return None
 
 
+def checked_pool(q, kv_pages, layer, v_dim: int, unsupported, label: str):
+    """(pool [L * P, page, Dk], L) of kv_pages once `unsupported` (an unsupported_reason)
+    takes the inputs and q's dtype is the pool's; else ValueError naming the `label`
+    kernel."""
+    kv_pages, n_layers = flat_layers(kv_pages, layer)
+    why = unsupported(q, kv_pages, v_dim)
+    if why:
+        raise ValueError(f"the {label} MLA kernel cannot take these inputs: {why}")
+    if q.dtype != kv_pages.dtype:
+        raise ValueError(f"q and kv_pages dtypes differ: {q.dtype}, {kv_pages.dtype}")
+    return kv_pages, n_layers
+
+
+def split_tiles(n_tiles: int, num_splits: int) -> tuple[int, int]:
+    """(splits, tiles a split): at most one split a tile, then as few splits as the tiles
+    a split, rounded up, need."""
+    per = -(-n_tiles // max(1, min(num_splits, n_tiles)))
+    return -(-n_tiles // per), per
+
+
 def default_splits(batch: int, hq: int, n_table: int, page: int, sms: int,
                    block_k: int = 32) -> int:
     """The context splits `mla_decode` takes by default for `batch` rows of `hq` heads over
@@ -306,12 +326,8 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
         return narrow.mla_decode(q, kv_pages, block_tables, lengths, v_dim=v_dim,
                                  sm_scale=sm_scale, layer=layer, num_splits=num_splits,
                                  interpret=interpret)
-    kv_pages, n_layers = flat_layers(kv_pages, layer)
-    why = unsupported_reason(q, kv_pages, v_dim)
-    if why:
-        raise ValueError(f"the pallas_mosaic MLA kernel cannot take these inputs: {why}")
-    if q.dtype != kv_pages.dtype:
-        raise ValueError(f"q and kv_pages dtypes differ: {q.dtype}, {kv_pages.dtype}")
+    kv_pages, n_layers = checked_pool(q, kv_pages, layer, v_dim, unsupported_reason,
+                                      "pallas_mosaic")
     batch, hq, dk = q.shape
     rows_total, page, _ = kv_pages.shape
     n_table = block_tables.shape[1]
@@ -338,9 +354,7 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     n_tiles = -(-n_table * page // block_k)
     if num_splits is None:
         num_splits = default_splits(batch, hq, n_table, page, mg.sm_count(interpret), block_k)
-    num_splits = max(1, min(num_splits, n_tiles))
-    tiles_per_split = -(-n_tiles // num_splits)
-    num_splits = -(-n_tiles // tiles_per_split)
+    num_splits, tiles_per_split = split_tiles(n_tiles, num_splits)
 
     kernel = functools.partial(
         _kernel, dk=dk, v_dim=v_dim, page=page, bk=block_k, stages=num_stages,

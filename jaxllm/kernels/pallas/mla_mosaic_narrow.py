@@ -33,8 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxllm.kernels.pallas import mosaic_common as mg
-from jaxllm.kernels.pallas.mla_mosaic import produce_tiles
-from jaxllm.kernels.pallas.mla_triton import flat_layers
+from jaxllm.kernels.pallas.mla_mosaic import checked_pool, produce_tiles, split_tiles
 from jaxllm.kernels.pallas.mosaic_common import LN2, LOG2E
 from jaxllm.kernels.pallas.paged_triton import merge_partials
 
@@ -147,10 +146,8 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
                num_splits: int | None = None, interpret: bool | None = None):
     """As mla_mosaic.mla_decode, for q of at most 32 heads. num_splits: CTAs per sequence
     along the context (default: one wave of one CTA an SM)."""
-    kv_pages, n_layers = flat_layers(kv_pages, layer)
-    why = unsupported_reason(q, kv_pages, v_dim)
-    if why:
-        raise ValueError(f"the narrow pallas_mosaic MLA kernel cannot take these inputs: {why}")
+    kv_pages, n_layers = checked_pool(q, kv_pages, layer, v_dim, unsupported_reason,
+                                      "narrow pallas_mosaic")
     batch, hq, dk = q.shape
     rows_total, page, _ = kv_pages.shape
     n_table = block_tables.shape[1]
@@ -159,9 +156,7 @@ def mla_decode(q, kv_pages, block_tables, lengths, *, v_dim: int, sm_scale: floa
     n_tiles = -(-n_table * page // BK)
     if num_splits is None:
         num_splits = max(1, mg.sm_count(interpret) // batch)
-    num_splits = max(1, min(num_splits, n_tiles))
-    tiles_per_split = -(-n_tiles // num_splits)
-    num_splits = -(-n_tiles // tiles_per_split)
+    num_splits, tiles_per_split = split_tiles(n_tiles, num_splits)
 
     n = padded_heads(hq)
     swizzle = 2 * n  # bytes: P^T's rows
