@@ -100,26 +100,31 @@ def rel_error(o, q, k, v, causal):
     return float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
 
 
-def grad_error(grads, q, k, v, do, causal, repeated):
-    """The largest ||g - ref|| / ||ref|| of dq, dk and dv against the float32 reference's
-    gradients of <o, dO>, on <= 4 query heads and their KV heads; `repeated`: dk and dv
-    are of K/V repeated to every query head (summed back over each group here)."""
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
+def reference_grads(q, k, v, do, causal):
+    """The float32 reference's dq, dk, dv of <o, dO> on <= 4 query heads (whole GQA
+    groups) and their KV heads: what grad_error compares against."""
+    g = q.shape[2] // k.shape[2]
     nkv = max(1, 4 // g)
-    dq, dk, dv = (x.astype(jnp.float32) for x in grads)
-    if repeated:
-        dk, dv = (x.reshape(*x.shape[:2], hkv, g, x.shape[-1]).sum(3) for x in (dk, dv))
 
     def loss(q, k, v):
         return jnp.vdot(reference.flash_attention(q, k, v, causal=causal),
                         do[:, :, :nkv * g].astype(jnp.float32))
 
     with jax.default_matmul_precision("highest"):
-        ref = jax.grad(loss, argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (
+        return jax.grad(loss, argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (
             q[:, :, :nkv * g], k[:, :, :nkv], v[:, :, :nkv])))
-    got = (dq[:, :, :nkv * g], dk[:, :, :nkv], dv[:, :, :nkv])
+
+
+def grad_error(grads, ref, hkv: int, repeated: bool):
+    """The largest ||g - ref|| / ||ref|| of dq, dk and dv against reference_grads' `ref`
+    (on its heads); `repeated`: dk and dv are of K/V repeated to every query head (summed
+    back over each group of the hkv KV heads here)."""
+    dq, dk, dv = (x.astype(jnp.float32) for x in grads)
+    if repeated:
+        g = dq.shape[2] // hkv
+        dk, dv = (x.reshape(*x.shape[:2], hkv, g, x.shape[-1]).sum(3) for x in (dk, dv))
+    nq, nkv = ref[0].shape[2], ref[1].shape[2]
+    got = (dq[:, :, :nq], dk[:, :, :nkv], dv[:, :, :nkv])
     return max(float(jnp.linalg.norm(x - r) / jnp.linalg.norm(r)) for x, r in zip(got, ref))
 
 
@@ -129,7 +134,7 @@ def bench_shape(shape, causal, impls, rounds, batches=5, target_s=0.03):
     b, s, hq, hkv, d = shape
     q, k, v, do = _inputs(b, s, hq, hkv, d, seed=s + hkv + d + causal)
     flops = attention_flops(b, hq, s, s, d, causal)
-    rows, timers = {}, {}
+    rows, timers, ref_grads = {}, {}, []  # the reference's gradients, once a shape
     for name in impls:
         row = rows[name] = dict(b=b, s=s, hq=hq, hkv=hkv, d=d,
                                 mask="causal" if causal else "full", impl=name)
@@ -146,7 +151,10 @@ def bench_shape(shape, causal, impls, rounds, batches=5, target_s=0.03):
         g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         try:
             row["rel_err"] = rel_error(f(q, kk, vv), q, k, v, causal)
-            row["grad_err"] = grad_error(g(q, kk, vv, do), q, k, v, do, causal, repeat)
+            grads = g(q, kk, vv, do)
+            if not ref_grads:
+                ref_grads[:] = reference_grads(q, k, v, do, causal)
+            row["grad_err"] = grad_error(grads, ref_grads, hkv, repeat)
         except Exception as e:  # noqa: BLE001  one failing impl must not hide the others
             row["error"] = _error(e)
             continue

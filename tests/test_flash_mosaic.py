@@ -221,9 +221,9 @@ def test_dkdv_grid_launches_key_tiles_together_and_pairs_causal_ones():
     (tiles j and n - 1 - j, the middle one alone: the simulator cases cover odd counts)."""
     from jaxllm.kernels.pallas import flash_mosaic_bwd as bwd
     for n_kt, causal, ctas in [(32, True, 16), (7, True, 4), (1, True, 1), (7, False, 7)]:
-        grid, names, paired = bwd.dkdv_grid(4, 8, n_kt, causal)
+        grid, names = bwd.dkdv_grid(4, 8, n_kt, causal)
         assert dict(zip(names, grid)) == dict(batch=4, heads=8, kv_seq=ctas)
-        assert names[-1] == "kv_seq" and paired == causal
+        assert names[-1] == "kv_seq"
 
 
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "grid"])

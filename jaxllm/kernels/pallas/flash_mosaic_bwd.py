@@ -35,24 +35,24 @@ BWD_REGISTERS = {2: (240, 24), 1: (240, 40)}
 
 
 def dkdv_grid(b: int, hkv: int, n_kt: int, causal: bool):
-    """(grid, grid_names, paired) of the dK/dV kernels. Mosaic GPU maps a grid's last axis
-    to CUDA's fastest-varying block index. Key tiles last: the CTAs launched together are
+    """(grid, grid_names) of the dK/dV kernels. Mosaic GPU maps a grid's last axis to
+    CUDA's fastest-varying block index. Key tiles last: the CTAs launched together are
     one (batch, head)'s key tiles, which stream the same Q, dO, LSE and delta tiles, so L2
     serves them once for all (A8 in docs/performance.md: fwd+bwd 1.06-1.13x the
     batch-fastest order in full attention). A causal head's first key tiles see the most
-    queries; paired, causal CTA j of a head runs key tiles j and then n_kt - 1 - j (the
-    middle one alone when n_kt is odd), so every CTA streams as many query tiles and no
-    heavy tile is left for the grid's end (A9: fwd+bwd 1.02-1.08x one tile a CTA at D 64
+    queries, so causal CTA j of a head runs key tiles j and then n_kt - 1 - j (the middle
+    one alone when n_kt is odd, over_kv_tiles): every CTA streams as many query tiles and
+    no heavy tile is left for the grid's end (A9: fwd+bwd 1.02-1.08x one tile a CTA at D 64
     GQA and D 256, even at D 64 MHA and the D 128 headline)."""
     n = -(-n_kt // 2) if causal else n_kt
-    return (b, hkv, n), ("batch", "heads", "kv_seq"), causal
+    return (b, hkv, n), ("batch", "heads", "kv_seq")
 
 
-def over_kv_tiles(n_kt: int, paired: bool, body):
+def over_kv_tiles(n_kt: int, causal: bool, body):
     """body(kt, base) over this dK/dV CTA's key tiles in turn (dkdv_grid), base the ring
     step where tile kt's stream starts and its return the next tile's; the last base."""
     j = lax.axis_index("kv_seq")
-    if not paired:
+    if not causal:
         return body(j, jnp.int32(0))
     return lax.fori_loop(0, jnp.where(2 * j + 1 == n_kt, 1, 2), lambda m, base: body(
         jnp.where(m == 0, j, n_kt - 1 - j), base), jnp.int32(0))
@@ -191,7 +191,7 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
     sim = interpret
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-    grid, names, paired = dkdv_grid(b, hkv, n_kt, causal)
+    grid, names = dkdv_grid(b, hkv, n_kt, causal)
 
     def queries(tile_base):
         """(lo, n_t): query tiles before lo see none of the keys from tile_base on (rows r
@@ -293,12 +293,12 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
                 plgpu.wait_smem_to_gmem(0)
                 return base + group * n_t
 
-            over_kv_tiles(n_kt, paired, kv_tile)
+            over_kv_tiles(n_kt, causal, kv_tile)
 
         @pl.when(wg == n_wg)
         def _produce_q():
             plgpu.set_max_registers(BWD_REGISTERS[n_wg][1], action="decrease")
-            _produce_q_tiles(bi, h, group, n_kt, paired, lambda kt: queries(kt * n_wg * bk),
+            _produce_q_tiles(bi, h, group, n_kt, causal, lambda kt: queries(kt * n_wg * bk),
                              bq, stages, in_bar, in_free, (q_ref, do_ref, lse_ref, delta_ref),
                              (q_ring, do_ring, lse_ring, delta_ring))
 
@@ -315,7 +315,7 @@ def dkdv_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, interpr
                      name="flash_dkdv", interpret=interpret)(q, k, v, do, lse2, delta)
 
 
-def _produce_q_tiles(bi, h, group, n_kt, paired, queries, bq, stages, in_bar, in_free,
+def _produce_q_tiles(bi, h, group, n_kt, causal, queries, bq, stages, in_bar, in_free,
                      refs, rings):
     """The dk/dv producer: for each of the CTA's key tiles in turn (queries(kt) -> its
     (lo, n_t)), the Q, dO, LSE and delta tiles of query tiles lo, ..., lo + n_t - 1 of
@@ -339,7 +339,7 @@ def _produce_q_tiles(bi, h, group, n_kt, paired, queries, bq, stages, in_bar, in
             (src(lse_ref, True), lse_ring), (src(delta_ref, True), delta_ring)])])
         return base + group * n_t
 
-    mg.drain(over_kv_tiles(n_kt, paired, kv_tile), stages, [in_free])
+    mg.drain(over_kv_tiles(n_kt, causal, kv_tile), stages, [in_free])
 
 
 SWIZZLE = 64  # dkdv_split_kernel's tiles
@@ -367,7 +367,7 @@ def dkdv_split_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, i
     sim = interpret
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-    grid, names, paired = dkdv_grid(b, hkv, n_kt, causal)
+    grid, names = dkdv_grid(b, hkv, n_kt, causal)
 
     def queries(kv_base):
         """(lo, full, n_t): query tiles before lo see none of the keys from kv_base on,
@@ -457,12 +457,12 @@ def dkdv_split_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, i
                                             commit_group=False)
                 plgpu.commit_smem_to_gmem_group()
                 plgpu.wait_smem_to_gmem(0)
-                if paired:  # both warpgroups' stores have read K and V before the next loads
+                if causal:  # a pair: both warpgroups' stores read K and V before the next loads
                     plgpu.barrier_arrive(x_bar)
                     plgpu.barrier_wait(x_bar)
                 return base + group * n_t
 
-            over_kv_tiles(n_kt, paired, kv_tile)
+            over_kv_tiles(n_kt, causal, kv_tile)
 
         for w in range(2):
             pl.when(wg == w)(functools.partial(consumer, w))
@@ -470,7 +470,7 @@ def dkdv_split_kernel(q, k, v, do, lse2, delta, *, causal, scale, cfg, offset, i
         @pl.when(wg == 2)
         def _produce_q():
             plgpu.set_max_registers(BWD_REGISTERS[2][1], action="decrease")
-            _produce_q_tiles(bi, h, group, n_kt, paired, lambda kt: queries(kt * bk)[::2],
+            _produce_q_tiles(bi, h, group, n_kt, causal, lambda kt: queries(kt * bk)[::2],
                              bq, stages, in_bar, in_free, (q_ref, do_ref, lse_ref, delta_ref),
                              (q_ring, do_ring, lse_ring, delta_ring))
 
