@@ -94,13 +94,17 @@ def test_bad_inputs_raise():
 def test_auto_takes_the_kernels_on_a_gpu(monkeypatch):
     q = jax.ShapeDtypeStruct((2, 128, 576), jnp.bfloat16)
     pages = jax.ShapeDtypeStruct((10, 64, 576), jnp.bfloat16)
-    assert registry.pick("mla", "auto", q, pages, 512).name == "reference"  # the CPU
+    monkeypatch.setattr(registry, "_platform", lambda: "cpu")
+    assert registry.pick("mla", "auto", q, pages, 512).name == "reference"
     monkeypatch.setattr(registry, "_platform", lambda: "gpu")
-    assert registry.pick("mla", "auto", q, pages, 512).name == "pallas_triton"  # not Hopper
+    monkeypatch.setattr(registry, "_hopper", lambda: False)
+    assert registry.pick("mla", "auto", q, pages, 512).name == "pallas_triton"
     monkeypatch.setattr(registry, "_hopper", lambda: True)
     assert registry.pick("mla", "auto", q, pages, 512).name == "pallas_mosaic"
-    q16 = jax.ShapeDtypeStruct((2, 16, 576), jnp.bfloat16)  # fewer than 64 heads: Triton
+    q16 = jax.ShapeDtypeStruct((2, 16, 576), jnp.bfloat16)  # 16 heads or fewer: Triton
     assert registry.pick("mla", "auto", q16, pages, 512).name == "pallas_triton"
+    q17 = jax.ShapeDtypeStruct((2, 17, 576), jnp.bfloat16)
+    assert registry.pick("mla", "auto", q17, pages, 512).name == "pallas_mosaic"
     q32 = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     pages32 = jax.ShapeDtypeStruct(pages.shape, jnp.float32)
     assert registry.pick("mla", "auto", q32, pages32, 512).name == "pallas_triton"  # dtype
@@ -123,10 +127,12 @@ def _mosaic_check(q, kv, tables, lens, v_dim, sm_scale, **kw):
     np.testing.assert_array_equal(np.asarray(out[lens == 0], np.float32), 0.0)
 
 
-def test_mosaic_ragged_lengths_shuffled_pages():
-    """DeepSeek-V3's latent row (Dk 576 = 512 + 64, v 512), bf16, pages of 64, 16 heads:
-    the narrow kernel (64-token tiles as the products' M), one split."""
-    q, kv, tables, lens = _case(0, 64, 16, 576, [0, 1, 63, 64, 65, 197], jnp.bfloat16)
+@pytest.mark.parametrize("hq", [16, 64])
+def test_mosaic_ragged_lengths_shuffled_pages(hq):
+    """DeepSeek-V3's latent row (Dk 576 = 512 + 64, v 512), bf16, pages of 64, one split:
+    16 heads through the narrow kernel (64-token tiles as the products' M), 64 through the
+    kernel of 64 heads a CTA (up to 7 tiles of 32 tokens through its 3-deep ring)."""
+    q, kv, tables, lens = _case(0, 64, hq, 576, [0, 1, 63, 64, 65, 197], jnp.bfloat16)
     _mosaic_check(q, _finite(kv), tables, lens, 512, 576**-0.5)
 
 
