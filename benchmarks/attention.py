@@ -134,7 +134,7 @@ def bench_shape(shape, causal, impls, rounds, batches=5, target_s=0.03):
     b, s, hq, hkv, d = shape
     q, k, v, do = _inputs(b, s, hq, hkv, d, seed=s + hkv + d + causal)
     flops = attention_flops(b, hq, s, s, d, causal)
-    rows, timers, ref_grads = {}, {}, []  # the reference's gradients, once a shape
+    rows, timers, ref_grads = {}, {}, None  # the reference's gradients, once a shape
     for name in impls:
         row = rows[name] = dict(b=b, s=s, hq=hq, hkv=hkv, d=d,
                                 mask="causal" if causal else "full", impl=name)
@@ -152,8 +152,8 @@ def bench_shape(shape, causal, impls, rounds, batches=5, target_s=0.03):
         try:
             row["rel_err"] = rel_error(f(q, kk, vv), q, k, v, causal)
             grads = g(q, kk, vv, do)
-            if not ref_grads:
-                ref_grads[:] = reference_grads(q, k, v, do, causal)
+            if ref_grads is None:
+                ref_grads = reference_grads(q, k, v, do, causal)
             row["grad_err"] = grad_error(grads, ref_grads, hkv, repeat)
         except Exception as e:  # noqa: BLE001  one failing impl must not hide the others
             row["error"] = _error(e)
